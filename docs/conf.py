@@ -1,0 +1,19 @@
+"""Sphinx configuration for the mogo documentation."""
+
+import mogo
+
+project = "mogo"
+author = "mogo developers"
+release = mogo.__version__
+extensions = ["sphinx.ext.autodoc", "sphinx.ext.napoleon", "sphinx.ext.mathjax", "sphinx.ext.viewcode"]
+autodoc_typehints = "description"
+autodoc_member_order = "bysource"
+napoleon_google_docstring = True
+nitpicky = True
+# No network at build time, hence no intersphinx: references into other projects stay plain text.
+nitpick_ignore_regex = [
+    (r"py:.*", r"(torch|np|numpy|collections\.abc)\..*"),
+    (r"py:class", r"(Tensor|Method|Normalization)"),
+]
+exclude_patterns = ["_build", "_generated"]
+html_theme = "alabaster"

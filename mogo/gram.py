@@ -1,0 +1,141 @@
+"""Gram matrices of per-objective gradients, and their normalisation.
+
+Gradients of K objectives over a parameter list come as one stacked tensor per parameter,
+``[K, *p.shape]``. The Gram matrix ``G_kl = <g_k, g_l>`` is summed over parameters in float64
+without concatenating them. Normalising ``g_k -> g_k / s_k`` maps ``G`` to ``G / (s s^T)``:
+
+* ``"l2"``: ``s_k = ||g_k||`` (MARBLE); every objective enters the hull with unit norm;
+* ``"loss"``: ``s_k = L_k`` (MGDA-UB style); the losses must be positive;
+* ``"none"``: ``s_k = 1`` (plain MGDA).
+
+Objectives whose gradient norm is at most ``rtol`` times the largest are *excluded*: they cannot be
+normalised, so they leave the QP and receive weight 0.
+"""
+
+from __future__ import annotations
+
+from collections.abc import Iterable
+from dataclasses import dataclass
+from typing import Literal
+
+import torch
+from torch import Tensor
+
+__all__ = ["Normalization", "NormalizedGram", "gramian", "normalize_gram"]
+
+Normalization = Literal["l2", "loss", "none"]
+
+
+def gramian(stacked_grads: Iterable[Tensor], *, chunk_size: int = 1 << 20) -> Tensor:
+    """Gram matrix ``G = sum_p flat_p flat_p^T`` of K stacked gradients.
+
+    Args:
+        stacked_grads: tensors of shape ``[K, *p.shape]``, one per parameter, any dtype/device.
+        chunk_size: columns converted to float64 at a time, which bounds the extra memory to
+            ``8 * K * chunk_size`` bytes per parameter.
+
+    Returns:
+        ``(K, K)`` float64 on the device of the gradients.
+
+    Example:
+        >>> import torch, mogo
+        >>> grads = [torch.tensor([[1.0, 0.0], [1.0, 1.0]]), torch.tensor([[[2.0]], [[0.0]]])]
+        >>> mogo.gramian(grads)
+        tensor([[5., 1.],
+                [1., 2.]], dtype=torch.float64)
+    """
+    if chunk_size < 1:
+        raise ValueError(f"chunk_size must be positive, got {chunk_size}")
+    gram: Tensor | None = None
+    K = None
+    for index, grad in enumerate(stacked_grads):
+        if grad.ndim == 0:
+            raise ValueError(f"stacked gradient {index} is a scalar; expected shape [K, *p.shape]")
+        if K is None:
+            K = grad.shape[0]
+            gram = torch.zeros(K, K, dtype=torch.float64, device=grad.device)
+        elif grad.shape[0] != K:
+            raise ValueError(f"stacked gradient {index} has {grad.shape[0]} objectives, the first had {K}")
+        flat = grad.reshape(K, -1)
+        for start in range(0, flat.shape[1], chunk_size):
+            block = flat[:, start : start + chunk_size].to(torch.float64)
+            gram.addmm_(block, block.T)
+    if gram is None:
+        raise ValueError("stacked_grads is empty: need at least one [K, *p.shape] tensor")
+    return gram
+
+
+@dataclass(frozen=True)
+class NormalizedGram:
+    """A Gram matrix restricted to the objectives that can be normalised.
+
+    Attributes:
+        gram: ``(A, A)`` float64, ``G_kl / (s_k s_l)`` over the ``A`` active objectives.
+        scale: ``(K,)`` float64, ``s_k`` (1 for excluded objectives).
+        active: ``(K,)`` bool, objectives that enter the QP.
+    """
+
+    gram: Tensor
+    scale: Tensor
+    active: Tensor
+
+    @property
+    def excluded(self) -> list[int]:
+        """Indices of objectives left out because their gradient norm is (numerically) zero."""
+        return (~self.active).nonzero().flatten().tolist()
+
+    def expand(self, alpha: Tensor) -> Tensor:
+        """Scatter ``(A,)`` weights over the active objectives back to ``(K,)``, zeros elsewhere."""
+        full = alpha.new_zeros(self.active.shape[0])
+        full[self.active] = alpha
+        return full
+
+
+def normalize_gram(
+    G: Tensor,
+    mode: Normalization = "l2",
+    *,
+    losses: Tensor | None = None,
+    rtol: float = 1e-10,
+) -> NormalizedGram:
+    """Normalise the Gram matrix of K gradients and exclude the zero ones.
+
+    Args:
+        G: ``(K, K)`` Gram matrix of the raw gradients.
+        mode: ``"l2"``, ``"loss"`` or ``"none"`` (see the module docstring).
+        losses: ``(K,)`` positive loss values, required by ``"loss"``.
+        rtol: a gradient whose norm is at most ``rtol * max_k ||g_k||`` is excluded.
+
+    Raises:
+        ValueError: on a malformed ``G``, an unknown mode, missing or non-positive losses, or when
+            every gradient is zero (nothing can be normalised).
+    """
+    if G.ndim != 2 or G.shape[0] != G.shape[1]:
+        raise ValueError(f"G must have shape (K, K), got {tuple(G.shape)}")
+    G = G.to(torch.float64)
+    K = G.shape[0]
+    norms = G.diagonal().clamp_min(0.0).sqrt()
+    active = norms > rtol * norms.max()
+    if mode == "none":
+        return NormalizedGram(G, torch.ones_like(norms), torch.ones_like(active))
+    if not active.any():
+        raise ValueError(f"every one of the {K} gradients is zero: nothing to normalise with {mode!r}")
+    if mode == "l2":
+        scale = torch.where(active, norms, torch.ones_like(norms))
+    elif mode == "loss":
+        if losses is None:
+            raise ValueError("normalize='loss' needs the loss values: pass losses=")
+        losses = torch.as_tensor(losses).detach().to(device=G.device, dtype=torch.float64).reshape(-1)
+        if losses.shape != (K,):
+            raise ValueError(f"losses must have shape ({K},), got {tuple(losses.shape)}")
+        bad = active & ~(torch.isfinite(losses) & (losses > 0))
+        if bad.any():
+            index = int(bad.nonzero()[0, 0])
+            raise ValueError(
+                f"normalize='loss' needs positive finite losses; objective {index} has {float(losses[index])}"
+            )
+        scale = torch.where(active, losses, torch.ones_like(losses))
+    else:
+        raise ValueError(f"unknown normalization {mode!r}; use 'l2', 'loss' or 'none'")
+    sub = G[active][:, active] / torch.outer(scale[active], scale[active])
+    return NormalizedGram(sub, scale, active)

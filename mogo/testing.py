@@ -1,0 +1,128 @@
+"""Problem generators and certificate checks for testing min-norm solvers.
+
+The families are the inputs on which published solvers fail: rank-deficient sets (K larger than
+the dimension), exactly opposite gradients (optimum 0), duplicates, zero gradients, norms spread
+over many decades, nearly collinear sets. Tests and benchmarks draw from the same generators, so a
+benchmark table and a property test speak about the same problems.
+"""
+
+from __future__ import annotations
+
+from collections.abc import Callable
+
+import numpy as np
+import torch
+from torch import Tensor
+
+__all__ = ["FAMILIES", "assert_min_norm_optimal", "gradient_family"]
+
+
+def _gaussian(rng: np.random.Generator, K: int, dim: int) -> np.ndarray:
+    return rng.standard_normal((K, dim))
+
+
+def _low_rank(rng: np.random.Generator, K: int, dim: int) -> np.ndarray:
+    rank = max(1, K // 3)
+    return rng.standard_normal((K, rank)) @ rng.standard_normal((rank, dim))
+
+
+def _more_objectives_than_dims(rng: np.random.Generator, K: int, dim: int) -> np.ndarray:
+    return rng.standard_normal((K, max(1, K // 4)))
+
+
+def _opposite(rng: np.random.Generator, K: int, dim: int) -> np.ndarray:
+    J = rng.standard_normal((K, dim))
+    J[1::2] = -J[0:-1:2] * rng.uniform(0.5, 2.0, size=(K // 2, 1))
+    return J
+
+
+def _duplicates(rng: np.random.Generator, K: int, dim: int) -> np.ndarray:
+    distinct = rng.standard_normal((max(1, K // 2), dim))
+    return distinct[rng.integers(0, len(distinct), size=K)]
+
+
+def _zero(rng: np.random.Generator, K: int, dim: int) -> np.ndarray:
+    J = rng.standard_normal((K, dim))
+    J[rng.permutation(K)[: max(1, K // 4)]] = 0.0
+    return J
+
+
+def _norm_ratio(rng: np.random.Generator, K: int, dim: int) -> np.ndarray:
+    norms = np.logspace(0, -12, K) if K > 1 else np.ones(1)
+    return rng.standard_normal((K, dim)) * rng.permutation(norms)[:, None]
+
+
+def _collinear(rng: np.random.Generator, K: int, dim: int) -> np.ndarray:
+    return rng.standard_normal(dim) + 1e-6 * rng.standard_normal((K, dim))
+
+
+def _conflicting(rng: np.random.Generator, K: int, dim: int) -> np.ndarray:
+    # Centred points of a random simplex: pairwise obtuse, with the origin near their hull.
+    J = rng.standard_normal((K, dim))
+    return J - J.mean(axis=0) + 1e-3 * rng.standard_normal(dim)
+
+
+def _orthogonal(rng: np.random.Generator, K: int, dim: int) -> np.ndarray:
+    q, _ = np.linalg.qr(rng.standard_normal((max(dim, K), K)))
+    return q.T * rng.uniform(0.1, 10.0, size=(K, 1))
+
+
+def _tiny(rng: np.random.Generator, K: int, dim: int) -> np.ndarray:
+    return 1e-15 * rng.standard_normal((K, dim))  # G ~ 1e-30
+
+
+def _huge(rng: np.random.Generator, K: int, dim: int) -> np.ndarray:
+    return 1e15 * rng.standard_normal((K, dim))  # G ~ 1e30
+
+
+FAMILIES: dict[str, Callable[[np.random.Generator, int, int], np.ndarray]] = {
+    "gaussian": _gaussian,
+    "low_rank": _low_rank,
+    "K_above_dim": _more_objectives_than_dims,
+    "opposite": _opposite,
+    "duplicates": _duplicates,
+    "zero": _zero,
+    "norm_ratio_1e12": _norm_ratio,
+    "collinear": _collinear,
+    "conflicting": _conflicting,
+    "orthogonal": _orthogonal,
+    "tiny_1e-30": _tiny,
+    "huge_1e30": _huge,
+}
+"""Gradient-set generators ``(rng, K, dim) -> (K, dim')`` by family name."""
+
+
+def gradient_family(
+    name: str, K: int, *, dim: int = 64, scale: float = 1.0, seed: int = 0
+) -> tuple[Tensor, Tensor]:
+    """K gradients of a named family and their Gram matrix, both float64.
+
+    Returns ``(J, G)`` with ``J`` of shape ``(K, dim')`` (``dim'`` is ``dim`` except for the
+    families that fix it) and ``G = J J^T``.
+    """
+    if name not in FAMILIES:
+        raise ValueError(f"unknown family {name!r}; choose from {sorted(FAMILIES)}")
+    J = torch.from_numpy(FAMILIES[name](np.random.default_rng(seed), K, dim) * scale)
+    return J, J @ J.T
+
+
+def assert_min_norm_optimal(G: Tensor, alpha: Tensor, *, tol: float = 1e-9) -> None:
+    """Assert that ``alpha`` (..., K) solves ``min_{alpha in simplex} alpha^T G alpha``.
+
+    Checks feasibility (``alpha >= 0``, ``sum = 1`` to ``tol``) and the KKT conditions
+    ``(G alpha)_i >= f - tol * s`` for every i, with equality on the support, where
+    ``f = alpha^T G alpha`` and ``s = max_i G_ii``. By the Frank-Wolfe duality gap this bounds
+    ``f - f*`` by ``2 tol s``.
+    """
+    G = G.to(torch.float64)
+    alpha = alpha.to(torch.float64)
+    scale = G.diagonal(dim1=-2, dim2=-1).amax(-1, keepdim=True).clamp_min(torch.finfo(G.dtype).tiny)
+    assert bool((alpha >= -tol).all()), f"alpha has negative entries: {alpha.min().item():.3g}"
+    total = alpha.sum(-1)
+    assert bool(((total - 1).abs() <= tol).all()), f"alpha does not sum to 1: {total}"
+    g = (G @ alpha.unsqueeze(-1)).squeeze(-1) / scale
+    value = (alpha * g).sum(-1, keepdim=True)
+    below = (value - g).amax(-1)
+    assert bool((below <= tol).all()), f"KKT violated: (G alpha)_i below alpha^T G alpha by {below.max():.3g}"
+    off_support = (alpha * (g - value)).abs().amax(-1)
+    assert bool((off_support <= tol).all()), f"complementarity violated by {off_support.max():.3g}"

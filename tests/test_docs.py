@@ -1,0 +1,29 @@
+"""The README's examples run, and every public name is documented."""
+
+from __future__ import annotations
+
+import re
+from pathlib import Path
+
+import pytest
+
+import mogo
+
+ROOT = Path(__file__).resolve().parent.parent
+README_BLOCKS = re.findall(r"```python\n(.*?)```", (ROOT / "README.md").read_text(), flags=re.S)
+
+
+def test_the_readme_has_examples():
+    assert README_BLOCKS
+
+
+@pytest.mark.parametrize("block", README_BLOCKS, ids=[f"block{i}" for i in range(len(README_BLOCKS))])
+def test_readme_example_runs(block, tmp_path, monkeypatch):
+    monkeypatch.chdir(tmp_path)
+    exec(compile(block, "README.md", "exec"), {"__name__": "__readme__"})
+
+
+@pytest.mark.parametrize("name", mogo.__all__)
+def test_public_name_is_in_the_api_reference(name):
+    api = (ROOT / "docs" / "api.rst").read_text()
+    assert re.search(rf"auto\w+:: mogo\.{name}\b", api), f"mogo.{name} is missing from docs/api.rst"

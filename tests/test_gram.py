@@ -1,0 +1,103 @@
+"""mogo.gramian and mogo.normalize_gram."""
+
+from __future__ import annotations
+
+import pytest
+import torch
+from hypothesis import given
+from hypothesis import strategies as st
+
+import mogo
+
+
+@given(
+    st.integers(1, 8),
+    st.lists(st.lists(st.integers(1, 5), min_size=0, max_size=3), min_size=1, max_size=5),
+    st.integers(1, 7),
+    st.integers(0, 2**31 - 1),
+)
+def test_gramian_equals_the_gram_of_concatenated_gradients(K, shapes, chunk_size, seed):
+    generator = torch.Generator().manual_seed(seed)
+    grads = [torch.randn(K, *shape, generator=generator, dtype=torch.float32) for shape in shapes]
+    flat = torch.cat([g.reshape(K, -1).double() for g in grads], dim=1)
+    G = mogo.gramian(grads, chunk_size=chunk_size)
+    assert G.dtype == torch.float64
+    torch.testing.assert_close(G, flat @ flat.T, rtol=1e-12, atol=1e-12)
+
+
+def test_gramian_accumulates_float32_gradients_in_float64():
+    # In float32, 1 + 1e-8 rounds to 1; in float64 the sum of squares keeps the small entries.
+    big = torch.ones(1, 1, dtype=torch.float32)
+    small = torch.full((1, 1000), 1e-4, dtype=torch.float32)
+    G = mogo.gramian([big, small])
+    expected = 1.0 + 1000 * float(torch.tensor(1e-4, dtype=torch.float32).double() ** 2)
+    assert abs(float(G) - expected) < 1e-15
+
+
+@pytest.mark.parametrize(
+    ("grads", "match"),
+    [
+        ([], "empty"),
+        ([torch.ones(2, 3), torch.ones(3, 3)], "stacked gradient 1 has 3 objectives, the first had 2"),
+        ([torch.tensor(1.0)], "stacked gradient 0 is a scalar"),
+    ],
+)
+def test_gramian_rejects_mismatched_inputs(grads, match):
+    with pytest.raises(ValueError, match=match):
+        mogo.gramian(grads)
+
+
+def test_l2_normalisation_gives_unit_diagonal_and_cosines():
+    J = torch.tensor([[3.0, 4.0], [0.0, 2.0], [-1.0, 0.0]], dtype=torch.float64)
+    normalized = mogo.normalize_gram(J @ J.T, "l2")
+    torch.testing.assert_close(normalized.scale, torch.tensor([5.0, 2.0, 1.0], dtype=torch.float64))
+    unit = J / J.norm(dim=1, keepdim=True)
+    torch.testing.assert_close(normalized.gram, unit @ unit.T)
+    assert normalized.excluded == []
+
+
+def test_zero_gradients_are_excluded_and_reported_never_divided_by():
+    J = torch.tensor([[3.0, 4.0], [0.0, 0.0], [1e-14, 0.0], [0.0, 1.0]], dtype=torch.float64)
+    normalized = mogo.normalize_gram(J @ J.T, "l2")
+    assert normalized.excluded == [1, 2]
+    assert normalized.gram.shape == (2, 2)
+    assert torch.isfinite(normalized.gram).all()
+    alpha = mogo.min_norm(normalized.gram).alpha
+    full = normalized.expand(alpha)
+    assert full.shape == (4,)
+    assert full[1] == 0
+    assert full[2] == 0
+    torch.testing.assert_close(full[[0, 3]], alpha)
+
+
+def test_loss_normalisation_divides_by_the_losses():
+    J = torch.tensor([[2.0, 0.0], [0.0, 3.0]], dtype=torch.float64)
+    losses = torch.tensor([2.0, 0.5])
+    normalized = mogo.normalize_gram(J @ J.T, "loss", losses=losses)
+    torch.testing.assert_close(normalized.gram, torch.diag(torch.tensor([1.0, 36.0], dtype=torch.float64)))
+
+
+def test_none_normalisation_keeps_zero_gradients_in_the_hull():
+    J = torch.tensor([[1.0, 0.0], [0.0, 0.0]], dtype=torch.float64)
+    normalized = mogo.normalize_gram(J @ J.T, "none")
+    assert normalized.excluded == []
+    torch.testing.assert_close(
+        mogo.min_norm(normalized.gram).alpha, torch.tensor([0.0, 1.0], dtype=torch.float64)
+    )
+
+
+@pytest.mark.parametrize(
+    ("mode", "losses", "G", "match"),
+    [
+        ("l2", None, torch.zeros(2, 2), "every one of the 2 gradients is zero"),
+        ("loss", None, torch.eye(2), "needs the loss values"),
+        ("loss", torch.tensor([1.0, -1.0]), torch.eye(2), "objective 1 has -1.0"),
+        ("loss", torch.tensor([1.0, float("nan")]), torch.eye(2), "objective 1 has nan"),
+        ("loss", torch.tensor([1.0, 2.0, 3.0]), torch.eye(2), r"losses must have shape \(2,\)"),
+        ("cosine", None, torch.eye(2), "unknown normalization 'cosine'"),
+        ("l2", None, torch.ones(2, 3), r"shape \(K, K\)"),
+    ],
+)
+def test_normalisation_errors_name_the_problem(mode, losses, G, match):
+    with pytest.raises(ValueError, match=match):
+        mogo.normalize_gram(G, mode, losses=losses)

@@ -1,0 +1,261 @@
+"""Properties of mogo.min_norm on the families where published solvers fail."""
+
+from __future__ import annotations
+
+import numpy as np
+import pytest
+import torch
+from hypothesis import assume, given
+from hypothesis import strategies as st
+
+import mogo
+from mogo.testing import FAMILIES, assert_min_norm_optimal, gradient_family
+from tests.reference import brute_force_min_norm, cvxpy_min_norm, quadprog_min_norm
+
+
+@st.composite
+def problems(
+    draw: st.DrawFn, min_k: int = 1, max_k: int = 64, families: tuple[str, ...] = tuple(sorted(FAMILIES))
+) -> tuple[torch.Tensor, torch.Tensor]:
+    """``(J, G)``: K gradients of a family at a scale between 1e-30 and 1e30, and their Gram."""
+    family = draw(st.sampled_from(families))
+    K = draw(st.integers(min_k, max_k))
+    dim = draw(st.integers(1, 96))
+    scale = 10.0 ** draw(st.integers(-30, 30))
+    seed = draw(st.integers(0, 2**31 - 1))
+    return gradient_family(family, K, dim=dim, scale=scale, seed=seed)
+
+
+def max_diag(G: torch.Tensor) -> float:
+    return float(G.diagonal(dim1=-2, dim2=-1).max())
+
+
+def well_conditioned(G: torch.Tensor) -> bool:
+    """Strictly convex enough that alpha is unique and stable under perturbation."""
+    eigenvalues = torch.linalg.eigvalsh(G)
+    return bool(eigenvalues[0] > 1e-6 * eigenvalues[-1])
+
+
+@given(problems())
+def test_alpha_is_feasible_and_satisfies_kkt(problem):
+    _, G = problem
+    result = mogo.min_norm(G)
+    assert result.status == "success"
+    assert result.alpha.shape == G.shape[:1]
+    assert_min_norm_optimal(G, result.alpha, tol=1e-9)
+    assert float(result.kkt) <= 1e-12
+    expected = result.alpha @ G @ result.alpha
+    assert abs(float(result.value - expected)) <= 1e-12 * max_diag(G)
+
+
+@given(problems(), st.integers(0, 2**31 - 1))
+def test_value_never_above_a_vertex_or_a_random_simplex_point(problem, seed):
+    _, G = problem
+    value = float(mogo.min_norm(G).value)
+    tolerance = 1e-12 * max_diag(G)
+    assert value <= float(G.diagonal().min()) + tolerance
+    points = torch.from_numpy(np.random.default_rng(seed).dirichlet(np.ones(G.shape[0]), size=64))
+    assert value <= float(torch.einsum("ni,ij,nj->n", points, G, points).min()) + tolerance
+
+
+@given(problems(max_k=10))
+def test_agrees_with_brute_force_support_enumeration(problem):
+    _, G = problem
+    value = float(mogo.min_norm(G).value)
+    reference = brute_force_min_norm(G.numpy())
+    assert abs(value - reference) <= 1e-9 * max_diag(G)
+
+
+# quadprog needs G positive definite: the families whose gradients are independent (for dim >= K).
+NONSINGULAR = ("conflicting", "gaussian", "huge_1e30", "norm_ratio_1e12", "orthogonal", "tiny_1e-30")
+
+
+@given(problems(min_k=2, max_k=64, families=NONSINGULAR))
+def test_agrees_with_quadprog_where_it_succeeds(problem):
+    _, G = problem
+    reference = quadprog_min_norm(G.numpy())
+    assume(reference is not None)
+    value = float(mogo.min_norm(G).value)
+    assert value <= reference + 1e-9 * max_diag(G)  # never worse than quadprog
+    if well_conditioned(G):
+        assert abs(value - reference) <= 1e-9 * max_diag(G)
+
+
+@pytest.mark.parametrize("family", sorted(FAMILIES))
+def test_agrees_with_cvxpy_on_every_family(family):
+    J, G = gradient_family(family, 7, dim=12, seed=3)
+    reference = cvxpy_min_norm(J.numpy())
+    assert reference is not None
+    value = float(mogo.min_norm(G).value)
+    # cvxpy's interior point stops at about 1e-8 relative; mogo must be at least as good.
+    assert value <= reference + 1e-9 * max_diag(G)
+    assert abs(value - reference) <= 1e-6 * max_diag(G)
+
+
+@given(problems(), st.randoms(use_true_random=False))
+def test_permuting_objectives_permutes_alpha(problem, random):
+    _, G = problem
+    K = G.shape[0]
+    permutation = torch.tensor(random.sample(range(K), K))
+    result = mogo.min_norm(G)
+    permuted = mogo.min_norm(G[permutation][:, permutation])
+    assert abs(float(permuted.value - result.value)) <= 1e-9 * max_diag(G)
+    if well_conditioned(G):
+        torch.testing.assert_close(permuted.alpha, result.alpha[permutation], atol=1e-6, rtol=0)
+
+
+@given(problems(), st.integers(-20, 20))
+def test_positive_scaling_leaves_alpha_unchanged(problem, exponent):
+    _, G = problem
+    factor = 10.0**exponent
+    result = mogo.min_norm(G)
+    scaled = mogo.min_norm(G * factor)
+    assert abs(float(scaled.value) / factor - float(result.value)) <= 1e-9 * max_diag(G)
+    if well_conditioned(G):
+        torch.testing.assert_close(scaled.alpha, result.alpha, atol=1e-6, rtol=0)
+
+
+@given(st.sampled_from(sorted(FAMILIES)), st.integers(1, 24), st.integers(1, 40), st.integers(0, 1000))
+def test_batched_solve_matches_single_solves(family, K, batch, seed):
+    stack = torch.stack([gradient_family(family, K, dim=16, seed=seed + b)[1] for b in range(batch)])
+    stack = stack.reshape(1, batch, K, K) if batch % 2 else stack.reshape(batch, 1, K, K)
+    result = mogo.min_norm(stack)
+    assert result.alpha.shape == (*stack.shape[:-1],)
+    assert result.value.shape == stack.shape[:-2]
+    assert_min_norm_optimal(stack, result.alpha, tol=1e-9)
+    flat = stack.reshape(-1, K, K)
+    singles = torch.stack([mogo.min_norm(G).value for G in flat])
+    scales = flat.diagonal(dim1=-2, dim2=-1).amax(-1)
+    assert bool(((result.value.reshape(-1) - singles).abs() <= 1e-9 * scales).all())
+
+
+@given(problems(max_k=16))
+def test_frank_wolfe_is_within_its_duality_gap_of_exact(problem):
+    _, G = problem
+    exact = mogo.min_norm(G)
+    fw = mogo.min_norm(G, method="frank_wolfe", max_iter=2000, throw=False)
+    assert_min_norm_optimal(G, fw.alpha, tol=max(float(fw.kkt), 1e-9) * 1.01)
+    # The duality gap certifies the error: f_fw - f* <= 2 (f_fw - min_i g_i) <= 2 kkt max_i G_ii.
+    assert float(fw.value - exact.value) <= (2 * float(fw.kkt) + 1e-12) * max_diag(G)
+    if fw.status == "success":
+        assert float(fw.kkt) <= 1e-8
+
+
+def test_frank_wolfe_reaches_its_tolerance_on_a_strictly_convex_problem():
+    _, G = gradient_family("gaussian", 5, dim=50, seed=0)
+    result = mogo.min_norm(G, method="frank_wolfe", tol=1e-10)
+    assert float(result.kkt) <= 1e-10
+    assert abs(float(result.value - mogo.min_norm(G).value)) <= 1e-10 * max_diag(G)
+
+
+@given(problems(max_k=12))
+def test_qpth_is_within_its_tolerance_of_exact(problem):
+    _, G = problem
+    exact = mogo.min_norm(G)
+    qp = mogo.min_norm(G, method="qpth", throw=False)
+    # An interior point can stall on degenerate problems; its certificate then says so.
+    assert float(qp.value - exact.value) <= (2 * float(qp.kkt) + 1e-12) * max_diag(G)
+    if well_conditioned(G):
+        assert qp.status == "success"
+    if qp.status == "success":
+        assert_min_norm_optimal(G, qp.alpha, tol=1e-6)
+        assert abs(float(qp.value - exact.value)) <= 2e-6 * max_diag(G)
+
+
+def test_qpth_is_differentiable_and_matches_the_envelope_theorem():
+    _, G = gradient_family("gaussian", 4, dim=20, seed=1)
+    G = G.clone().requires_grad_(True)
+    result = mogo.min_norm(G, method="qpth")
+    result.value.backward()
+    # d/dG of min_alpha alpha^T G alpha is alpha* alpha*^T at the optimum.
+    alpha = result.alpha.detach()
+    torch.testing.assert_close(G.grad, torch.outer(alpha, alpha), atol=1e-5, rtol=1e-4)
+
+
+@pytest.mark.parametrize("dtype", [torch.float32, torch.float64, torch.bfloat16])
+def test_returns_the_input_dtype_and_computes_in_float64(dtype):
+    _, G = gradient_family("gaussian", 6, dim=8, seed=2)
+    result = mogo.min_norm(G.to(dtype))
+    assert result.alpha.dtype == dtype
+    assert result.value.dtype == dtype
+    assert result.kkt.dtype == dtype
+    assert result.iterations.dtype == torch.int64
+    reference = mogo.min_norm(G.to(dtype).to(torch.float64))
+    torch.testing.assert_close(result.alpha, reference.alpha.to(dtype))
+
+
+def test_accepts_numpy_arrays_and_closed_forms():
+    assert mogo.min_norm(np.array([[4.0]])).alpha.tolist() == [1.0]
+    # K = 2 closed form: alpha_1 = (G22 - G12) / (G11 + G22 - 2 G12).
+    result = mogo.min_norm(np.array([[4.0, 1.0], [1.0, 2.0]]))
+    torch.testing.assert_close(result.alpha, torch.tensor([0.25, 0.75], dtype=torch.float64))
+    torch.testing.assert_close(result.value, torch.tensor(1.75, dtype=torch.float64))
+
+
+def test_all_zero_gradients_give_uniform_weights_and_zero_value():
+    result = mogo.min_norm(torch.zeros(2, 5, 5))
+    torch.testing.assert_close(result.alpha, torch.full((2, 5), 0.2))
+    assert result.value.abs().max() == 0
+
+
+def test_round_off_asymmetry_and_tiny_negative_eigenvalues_are_repaired():
+    _, G = gradient_family("K_above_dim", 12, seed=4)  # rank 3: nine zero eigenvalues
+    noisy = G + 1e-15 * max_diag(G) * torch.randn(12, 12, dtype=torch.float64)
+    assert torch.linalg.eigvalsh(0.5 * (noisy + noisy.T))[0] < 0
+    assert not torch.equal(noisy, noisy.T)
+    result = mogo.min_norm(noisy)
+    assert_min_norm_optimal(G, result.alpha, tol=1e-9)
+    assert float(result.value) >= 0
+
+
+@pytest.mark.parametrize(
+    ("G", "match"),
+    [
+        (torch.ones(3), r"shape \(\.\.\., K, K\)"),
+        (torch.ones(2, 3), r"shape \(\.\.\., K, K\)"),
+        (torch.ones(0, 0), "at least one"),
+        (torch.ones(0, 3, 3), "at least one"),
+        (torch.tensor([[1.0, float("nan")], [float("nan"), 1.0]]), "NaN or Inf"),
+        (
+            torch.tensor([[[1.0, 0.0], [0.0, 1.0]], [[float("inf"), 0.0], [0.0, 1.0]]]),
+            r"NaN or Inf \(problem 1",
+        ),
+        (torch.tensor([[1.0, 0.5], [0.2, 1.0]]), "not symmetric"),
+        (torch.tensor([[1.0, 2.0], [2.0, 1.0]]), "not positive semidefinite: smallest eigenvalue"),
+        (torch.tensor([[-1.0, 0.0], [0.0, -2.0]]), "largest diagonal entry"),
+        (torch.eye(3, dtype=torch.complex64), "must be real"),
+    ],
+)
+def test_bad_input_raises_value_error_naming_the_problem(G, match):
+    with pytest.raises(ValueError, match=match):
+        mogo.min_norm(G)
+
+
+def test_indefinite_matrix_that_passes_every_2x2_minor_is_rejected():
+    # Each 2 x 2 principal minor is PSD, but the 3 x 3 matrix has eigenvalue -0.5.
+    G = torch.tensor([[1.0, -0.75, -0.75], [-0.75, 1.0, -0.75], [-0.75, -0.75, 1.0]])
+    with pytest.raises(ValueError, match=r"smallest eigenvalue / max_i G_ii = -0\.5"):
+        mogo.min_norm(G)
+
+
+@pytest.mark.parametrize(
+    ("kwargs", "match"),
+    [
+        ({"method": "newton"}, "unknown method 'newton'"),
+        ({"tol": 0.0}, "tol must be positive"),
+        ({"max_iter": 0}, "max_iter must be at least 1"),
+    ],
+)
+def test_bad_options_raise(kwargs, match):
+    with pytest.raises(ValueError, match=match):
+        mogo.min_norm(torch.eye(3), **kwargs)
+
+
+def test_unconverged_solve_raises_with_advice_or_reports_status():
+    _, G = gradient_family("gaussian", 8, dim=10, seed=5)
+    with pytest.raises(mogo.SolverError, match="raise max_iter"):
+        mogo.min_norm(G, method="frank_wolfe", max_iter=3)
+    result = mogo.min_norm(G, method="frank_wolfe", max_iter=3, throw=False)
+    assert result.status == "max_iter"
+    assert "frank_wolfe did not reach tol=1e-08 on 1 of 1 problem(s)" in result.message
+    assert float(result.kkt) > 1e-8
