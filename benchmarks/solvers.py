@@ -9,6 +9,7 @@ on that problem (every projected value is feasible, hence at least the optimum).
     python benchmarks/solvers.py                   # the full table (about two minutes)
     python benchmarks/solvers.py --quick           # K in {2, 5}, one seed
     python benchmarks/solvers.py --out docs/_generated   # also JSON, RST tables, figure
+    python benchmarks/solvers.py --replot docs/_generated/solvers.json --out docs/_generated
 """
 
 from __future__ import annotations
@@ -96,7 +97,7 @@ def run(sizes: list[int], seeds: int, solvers: dict[str, Solver]) -> list[dict]:
 
 
 def batched_throughput(batch: int, K: int) -> dict[str, float]:
-    """Problems per second on ``batch`` gaussian problems of size K: mogo batched vs loops."""
+    """Seconds to solve ``batch`` Gaussian problems of size K: mogo batched against loops."""
     stack = torch.stack([gradient_family("gaussian", K, seed=s)[1] for s in range(batch)])
     results = {}
     for name, solve in [
@@ -111,7 +112,7 @@ def batched_throughput(batch: int, K: int) -> dict[str, float]:
         solve()
         start = time.perf_counter()
         solve()
-        results[name] = time.perf_counter() - start
+        results[f"{batch} problems, K={K}: {name}"] = time.perf_counter() - start
     return results
 
 
@@ -169,32 +170,52 @@ def figure(records: list[dict], solvers: list[str], sizes: list[int], path: Path
 
     matplotlib.use("Agg")
     import matplotlib.pyplot as plt
+    from matplotlib.ticker import NullFormatter
 
-    fig, (speed, accuracy) = plt.subplots(1, 2, figsize=(11, 4.2))
-    for name in solvers:
+    fig, (speed, accuracy) = plt.subplots(1, 2, figsize=(12, 4.4))
+    families = list(FAMILIES)
+    width = 0.8 / len(solvers)
+    for index, name in enumerate(solvers):
         mine = [r for r in records if r["solver"] == name]
         times = [np.median([r["seconds"] for r in mine if r["K"] == K]) * 1e6 for K in sizes]
         style = "-o" if name.startswith("mogo") else "--."
         speed.plot(sizes, times, style, label=name)
-        families = list(FAMILIES)
         bad = [
             sum(1 for r in mine if r["family"] == f and (r["failure"] or (r["error"] or 0) > 1e-6))
             for f in families
         ]
-        accuracy.plot(range(len(families)), bad, style, label=name)
-    speed.set(
-        xscale="log",
-        yscale="log",
-        xlabel="K (objectives)",
-        ylabel="median time per solve (us)",
-        title="Speed (lower is better)",
-    )
+        positions = np.arange(len(families)) + (index - len(solvers) / 2 + 0.5) * width
+        accuracy.bar(positions, bad, width, label=name)
+    speed.set(xscale="log", yscale="log", xlabel="K (objectives)", ylabel="median time per solve (us)")
+    speed.set_title("Speed (lower is better)")
     speed.set_xticks(sizes, [str(K) for K in sizes])
-    accuracy.set(ylabel="problems failed or off by > 1e-6", title="Robustness (lower is better)")
-    accuracy.set_xticks(range(len(FAMILIES)), list(FAMILIES), rotation=60, ha="right", fontsize=8)
+    speed.xaxis.set_minor_formatter(NullFormatter())
     speed.legend(fontsize=7)
+    total = len([r for r in records if r["solver"] == solvers[0] and r["family"] == families[0]])
+    accuracy.set(ylabel=f"of {total} problems: failed or error > 1e-6")
+    accuracy.set_title("Robustness per family (lower is better)")
+    accuracy.set_xticks(range(len(families)), families, rotation=60, ha="right", fontsize=8)
     fig.tight_layout()
-    fig.savefig(path, dpi=120)
+    fig.savefig(path, dpi=110)
+
+
+def write_outputs(out: Path, records: list[dict], throughput: dict[str, float], sizes: list[int]) -> None:
+    """Print the tables and, with ``out``, write JSON, RST tables and the figure there."""
+    solvers = list(dict.fromkeys(r["solver"] for r in records))
+    summary = table(records, solvers, sizes)
+    families = family_table(records, solvers)
+    batch_rows = [[name, f"{seconds * 1e3:,.1f}"] for name, seconds in throughput.items()]
+    batch_header = ["solver", "ms"]
+    print(markdown(*summary), "", markdown(*families), "", markdown(batch_header, batch_rows), sep="\n")
+    if out is None:
+        return
+    out.mkdir(parents=True, exist_ok=True)
+    payload = {"sizes": sizes, "records": records, "batched_s": throughput}
+    (out / "solvers.json").write_text(json.dumps(payload))
+    (out / "solvers_summary.rst").write_text(rst(*summary))
+    (out / "solvers_families.rst").write_text(rst(*families))
+    (out / "solvers_batched.rst").write_text(rst(batch_header, batch_rows))
+    figure(records, solvers, sizes, out / "solvers.png")
 
 
 def main(argv: list[str] | None = None) -> None:
@@ -202,25 +223,19 @@ def main(argv: list[str] | None = None) -> None:
     parser.add_argument("--quick", action="store_true", help="K in {2, 5}, one seed, no slow peers")
     parser.add_argument("--seeds", type=int, default=5, help="problems per family and K (default 5)")
     parser.add_argument("--out", type=Path, help="directory for solvers.json, RST tables and solvers.png")
+    parser.add_argument("--replot", type=Path, help="redo tables and figure from a saved solvers.json")
     args = parser.parse_args(argv)
     torch.set_num_threads(1)
     sizes = [2, 5] if args.quick else [2, 3, 5, 10, 32, 64]
     seeds = 1 if args.quick else args.seeds
     solvers = {n: s for n, s in PEERS.items() if not (args.quick and n in SLOW)}
+    if args.replot:
+        saved = json.loads(args.replot.read_text())
+        write_outputs(args.out, saved["records"], saved["batched_s"], saved["sizes"])
+        return
     records = run(sizes, seeds, solvers)
-    summary = table(records, list(solvers), sizes)
-    families = family_table(records, list(solvers))
     throughput = batched_throughput(256 if args.quick else 4096, 5)
-    batch_rows = [[name, f"{seconds * 1e3:,.1f}"] for name, seconds in throughput.items()]
-    batch_header = [f"{256 if args.quick else 4096} problems, K=5", "ms"]
-    print(markdown(*summary), "", markdown(*families), "", markdown(batch_header, batch_rows), sep="\n")
-    if args.out:
-        args.out.mkdir(parents=True, exist_ok=True)
-        (args.out / "solvers.json").write_text(json.dumps({"records": records, "batched_s": throughput}))
-        (args.out / "solvers_summary.rst").write_text(rst(*summary))
-        (args.out / "solvers_families.rst").write_text(rst(*families))
-        (args.out / "solvers_batched.rst").write_text(rst(batch_header, batch_rows))
-        figure(records, list(solvers), sizes, args.out / "solvers.png")
+    write_outputs(args.out, records, throughput, sizes)
 
 
 if __name__ == "__main__":

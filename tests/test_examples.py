@@ -1,0 +1,49 @@
+"""The examples and benchmarks run, in reduced form, and say what they claim."""
+
+from __future__ import annotations
+
+import importlib.util
+import subprocess
+import sys
+from pathlib import Path
+
+import pytest
+
+ROOT = Path(__file__).resolve().parent.parent
+
+
+def load(path: Path):
+    spec = importlib.util.spec_from_file_location(path.stem, path)
+    module = importlib.util.module_from_spec(spec)
+    spec.loader.exec_module(module)
+    return module
+
+
+def test_conflicting_gradients_example_shows_weighted_sum_conflicts_and_min_norm_none(tmp_path):
+    example = load(ROOT / "examples" / "conflicting_gradients.py")
+    rates = example.main(["--trials", "20", "--out", str(tmp_path)])
+    assert (tmp_path / "conflicting_gradients.png").stat().st_size > 10_000
+    assert all(rate == 0 for key, rate in rates.items() if key.endswith("min_norm"))
+    assert rates["conflicting/K=5/mean"] > 0.5  # the mean gradient opposes someone most of the time
+
+
+def test_example_has_a_working_help():
+    result = subprocess.run(
+        [sys.executable, str(ROOT / "examples" / "conflicting_gradients.py"), "--help"],
+        capture_output=True,
+        text=True,
+        check=True,
+    )
+    assert "--trials" in result.stdout
+
+
+@pytest.mark.slow
+def test_solver_benchmark_quick_run_writes_its_tables(tmp_path):
+    subprocess.run(
+        [sys.executable, str(ROOT / "benchmarks" / "solvers.py"), "--quick", "--out", str(tmp_path)],
+        check=True,
+        capture_output=True,
+    )
+    summary = (tmp_path / "solvers_summary.rst").read_text()
+    assert "mogo exact" in summary
+    assert "0/24" in summary.split("mogo exact")[1].split("* -")[0]  # no failure for mogo exact
