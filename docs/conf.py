@@ -13,7 +13,7 @@ nitpicky = True
 # No network at build time, hence no intersphinx: references into other projects stay plain text.
 nitpick_ignore_regex = [
     (r"py:.*", r"(torch|np|numpy|collections\.abc)\..*"),
-    (r"py:class", r"(Tensor|Method|Normalization)"),
+    (r"py:class", r"(Tensor|Method|Normalization|GradMode|NonFinitePolicy)"),
 ]
 exclude_patterns = ["_build", "_generated"]
 html_theme = "alabaster"

@@ -1,8 +1,29 @@
 """mogo: multi-objective gradient optimization for PyTorch."""
 
+from mogo.amortize import AmortizedWeights
+from mogo.diagnostics import ConflictMeter, ConflictReport
 from mogo.gram import NormalizedGram, gramian, normalize_gram
+from mogo.jacobian import objective_grads
+from mogo.optim import HarmonizedOptimizer
 from mogo.solvers import MinNormResult, SolverError, min_norm
+from mogo.weighting import MinNorm, WeightedSum, Weighting, Weights
 
 __version__ = "0.1.0"
 
-__all__ = ["MinNormResult", "NormalizedGram", "SolverError", "gramian", "min_norm", "normalize_gram"]
+__all__ = [
+    "AmortizedWeights",
+    "ConflictMeter",
+    "ConflictReport",
+    "HarmonizedOptimizer",
+    "MinNorm",
+    "MinNormResult",
+    "NormalizedGram",
+    "SolverError",
+    "WeightedSum",
+    "Weighting",
+    "Weights",
+    "gramian",
+    "min_norm",
+    "normalize_gram",
+    "objective_grads",
+]

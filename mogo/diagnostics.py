@@ -1,0 +1,126 @@
+"""Gradient-conflict diagnostics, from the Gram matrix at no extra backward cost.
+
+A step *conflicts* when the weighted-sum direction has a negative cosine with at least one
+objective's gradient (the MARBLE paper's measure). The harmonized direction never does, by the
+KKT conditions of the min-norm problem.
+"""
+
+from __future__ import annotations
+
+from dataclasses import dataclass, field
+
+import torch
+from torch import Tensor
+
+from mogo.weighting import Weights
+
+__all__ = ["ConflictMeter", "ConflictReport"]
+
+
+def _cosines_with(gram: Tensor, norms: Tensor, coefficients: Tensor) -> Tensor:
+    """``cos(g_k, sum_j c_j g_j)`` for every k, from the Gram matrix; 0 where a norm is 0."""
+    inner = gram @ coefficients
+    length = (coefficients @ inner).clamp_min(0).sqrt()
+    denominator = norms * length
+    return torch.where(denominator > 0, inner / denominator.clamp_min(torch.finfo(gram.dtype).tiny), 0.0)
+
+
+@dataclass(frozen=True)
+class ConflictReport:
+    """What one harmonization step saw, for K objectives. All tensors are float64 on the CPU.
+
+    Attributes:
+        names: the objectives' names.
+        alpha: ``(K,)`` simplex weights; ``loss_weights``: ``(K,)`` ``w_k``.
+        norms: ``(K,)`` gradient norms; ``cosines``: ``(K, K)`` pairwise cosines.
+        weighted_sum_cosines: ``(K,)`` cosine of each gradient with the weighted-sum direction.
+        harmonized_cosines: ``(K,)`` cosine of each gradient with ``d = sum_k w_k g_k``.
+        direction_norm: ``||d||``.
+        iterations, kkt: the solver's, where a QP was solved (else 0 and 0.0).
+    """
+
+    names: tuple[str, ...]
+    alpha: Tensor
+    loss_weights: Tensor
+    norms: Tensor
+    cosines: Tensor
+    weighted_sum_cosines: Tensor
+    harmonized_cosines: Tensor
+    direction_norm: float
+    iterations: int
+    kkt: float
+
+    @classmethod
+    def from_gram(
+        cls, gram: Tensor, weights: Weights, names: tuple[str, ...], sum_weights: Tensor | None = None
+    ) -> ConflictReport:
+        """Build the report from the raw Gram matrix (K, K) and the weights applied.
+
+        ``sum_weights`` are the weights of the weighted-sum baseline (equal weights by default).
+        """
+        gram = gram.detach().to(device="cpu", dtype=torch.float64)
+        K = gram.shape[0]
+        norms = gram.diagonal().clamp_min(0).sqrt()
+        outer = torch.outer(norms, norms)
+        cosines = torch.where(outer > 0, gram / outer.clamp_min(torch.finfo(gram.dtype).tiny), 0.0)
+        baseline = torch.ones(K, dtype=torch.float64) if sum_weights is None else sum_weights.double().cpu()
+        loss_weights = weights.loss_weights.detach().cpu()
+        return cls(
+            names=names,
+            alpha=weights.alpha.detach().cpu(),
+            loss_weights=loss_weights,
+            norms=norms,
+            cosines=cosines,
+            weighted_sum_cosines=_cosines_with(gram, norms, baseline),
+            harmonized_cosines=_cosines_with(gram, norms, loss_weights),
+            direction_norm=float((loss_weights @ gram @ loss_weights).clamp_min(0).sqrt()),
+            iterations=int(weights.solve.iterations) if weights.solve is not None else 0,
+            kkt=float(weights.solve.kkt) if weights.solve is not None else 0.0,
+        )
+
+    @property
+    def conflict(self) -> bool:
+        """Whether the weighted-sum direction opposes at least one objective."""
+        return bool((self.weighted_sum_cosines < 0).any())
+
+    def as_dict(self, prefix: str = "mogo/") -> dict[str, float]:
+        """Flat floats for any tracker: per-objective alpha, weight, norm and cosines, and totals."""
+        values: dict[str, float] = {}
+        for k, name in enumerate(self.names):
+            values[f"{prefix}alpha/{name}"] = float(self.alpha[k])
+            values[f"{prefix}weight/{name}"] = float(self.loss_weights[k])
+            values[f"{prefix}grad_norm/{name}"] = float(self.norms[k])
+            values[f"{prefix}cos_weighted_sum/{name}"] = float(self.weighted_sum_cosines[k])
+            values[f"{prefix}cos_harmonized/{name}"] = float(self.harmonized_cosines[k])
+        values[f"{prefix}conflict"] = float(self.conflict)
+        values[f"{prefix}direction_norm"] = self.direction_norm
+        values[f"{prefix}solver_iterations"] = float(self.iterations)
+        values[f"{prefix}solver_kkt"] = self.kkt
+        return values
+
+
+@dataclass
+class ConflictMeter:
+    """Running conflict statistics over the harmonization steps of a run."""
+
+    steps: int = 0
+    conflicts: int = 0
+    worst_weighted_sum_cosine: float = 1.0
+    worst_harmonized_cosine: float = 1.0
+    history: list[float] = field(default_factory=list)
+
+    def update(self, report: ConflictReport) -> None:
+        self.steps += 1
+        self.conflicts += int(report.conflict)
+        self.worst_weighted_sum_cosine = min(
+            self.worst_weighted_sum_cosine, float(report.weighted_sum_cosines.min())
+        )
+        self.worst_harmonized_cosine = min(
+            self.worst_harmonized_cosine, float(report.harmonized_cosines.min())
+        )
+        self.history.append(float(report.weighted_sum_cosines.min()))
+
+    @property
+    def conflict_rate(self) -> float:
+        """Fraction of harmonization steps whose weighted-sum direction opposed an objective."""
+        return self.conflicts / self.steps if self.steps else 0.0

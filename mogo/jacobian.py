@@ -1,0 +1,99 @@
+"""Per-objective gradients from one shared forward pass.
+
+Given K losses computed by one forward pass, :func:`objective_grads` returns, for every parameter
+``p``, the stacked gradients ``[dL_1/dp, ..., dL_K/dp]`` of shape ``[K, *p.shape]``:
+
+* ``"batched"``: one backward pass vmapped over the K rows of the identity,
+  ``torch.autograd.grad(losses, params, grad_outputs=eye(K), is_grads_batched=True)``;
+* ``"sequential"``: K backward passes through the retained graph;
+* ``"auto"``: batched, falling back to sequential with a warning naming the operation that has
+  no batching rule.
+"""
+
+from __future__ import annotations
+
+import re
+import warnings
+from collections.abc import Sequence
+from typing import Literal
+
+import torch
+from torch import Tensor
+
+__all__ = ["GradMode", "objective_grads"]
+
+GradMode = Literal["auto", "batched", "sequential"]
+
+
+def objective_grads(
+    losses: Tensor,
+    params: Sequence[Tensor],
+    *,
+    mode: GradMode = "auto",
+    retain_graph: bool = False,
+) -> tuple[list[Tensor], GradMode]:
+    """Stacked gradients of K losses with respect to each parameter.
+
+    Args:
+        losses: ``(K,)`` losses sharing one autograd graph.
+        params: tensors that require grad; parameters no loss depends on get zeros.
+        mode: ``"auto"``, ``"batched"`` or ``"sequential"`` (see the module docstring).
+        retain_graph: keep the graph for a later backward pass.
+
+    Returns:
+        The gradients, one ``[K, *p.shape]`` tensor per parameter, and the mode that produced
+        them (``"sequential"`` after an ``"auto"`` fallback: pass it next time to skip the retry).
+
+    Example:
+        >>> import torch, mogo
+        >>> w = torch.tensor([1.0, 2.0], requires_grad=True)
+        >>> grads, _ = mogo.objective_grads(torch.stack([w.sum(), (w**2).sum()]), [w])
+        >>> grads[0]
+        tensor([[1., 1.],
+                [2., 4.]])
+    """
+    if losses.ndim != 1 or losses.numel() == 0:
+        raise ValueError(f"losses must have shape (K,) with K >= 1, got {tuple(losses.shape)}")
+    if not losses.requires_grad:
+        raise ValueError("losses do not require grad: compute them from the parameters, outside no_grad")
+    if mode not in ("auto", "batched", "sequential"):
+        raise ValueError(f"unknown mode {mode!r}; use 'auto', 'batched' or 'sequential'")
+    params = list(params)
+    K = losses.shape[0]
+    if mode != "sequential" and K > 1:
+        eye = torch.eye(K, dtype=losses.dtype, device=losses.device)
+        try:
+            grads = torch.autograd.grad(
+                losses, params, grad_outputs=eye, is_grads_batched=True,
+                retain_graph=retain_graph or mode == "auto", allow_unused=True,
+            )  # fmt: skip
+            return _fill_unused(grads, params, K), "batched"
+        except RuntimeError as error:
+            if mode == "batched":
+                raise
+            warnings.warn(
+                f"batched per-objective gradients failed ({_failing_op(error)}); falling back to "
+                f"{K} sequential backward passes. Pass mode='sequential' to skip the attempt.",
+                RuntimeWarning,
+                stacklevel=2,
+            )
+            mode = "sequential"
+    rows = [
+        torch.autograd.grad(loss, params, retain_graph=retain_graph or k < K - 1, allow_unused=True)
+        for k, loss in enumerate(losses)
+    ]
+    grads = [
+        torch.stack([torch.zeros_like(p) if row[i] is None else row[i] for row in rows])
+        for i, p in enumerate(params)
+    ]
+    return grads, "sequential" if K > 1 else mode
+
+
+def _fill_unused(grads: Sequence[Tensor | None], params: Sequence[Tensor], K: int) -> list[Tensor]:
+    return [p.new_zeros(K, *p.shape) if g is None else g for g, p in zip(grads, params, strict=True)]
+
+
+def _failing_op(error: RuntimeError) -> str:
+    """The operator named in a vmap error, or the error's first line."""
+    match = re.search(r"aten::\w+(?:\.\w+)?", str(error))
+    return match.group(0) if match else str(error).splitlines()[0][:120]

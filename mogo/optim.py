@@ -1,0 +1,316 @@
+"""HarmonizedOptimizer: a ``torch.optim.Optimizer`` that combines K objectives without conflict.
+
+    opt = mogo.HarmonizedOptimizer(torch.optim.AdamW(model.parameters(), lr=3e-4),
+                                   objectives=["pick", "ocr"], harmonize_every=10, alpha_ema=0.9)
+    opt.zero_grad()
+    opt.backward(torch.stack([loss_pick, loss_ocr]), shared=kl_loss)
+    opt.step()
+
+``backward`` writes ``.grad``; ``step`` keeps its standard meaning and calls the wrapped
+optimizer. ``param_groups``, ``state`` and ``defaults`` are the wrapped optimizer's own, so LR
+schedulers, ``GradScaler``, gradient clipping and checkpointing work unchanged.
+"""
+
+from __future__ import annotations
+
+from collections import OrderedDict
+from collections.abc import Callable, Iterable, Sequence
+from typing import Any, Literal
+
+import torch
+from torch import Tensor
+
+from mogo.amortize import AmortizedWeights
+from mogo.diagnostics import ConflictMeter, ConflictReport
+from mogo.gram import gramian
+from mogo.jacobian import GradMode, objective_grads
+from mogo.weighting import MinNorm, Weighting, Weights
+
+__all__ = ["HarmonizedOptimizer", "NonFinitePolicy"]
+
+NonFinitePolicy = Literal["raise", "skip", "drop"]
+
+
+class HarmonizedOptimizer(torch.optim.Optimizer):
+    """Wrap any optimizer so that ``backward(losses)`` writes a harmonized gradient.
+
+    On a harmonization step (every ``harmonize_every`` optimizer steps) it computes the K
+    per-objective gradients from the one graph of ``losses``, their Gram matrix over the
+    harmonized parameters, and the weighting's loss weights ``w``; every parameter then receives
+    ``sum_k w_k grad L_k`` (plus ``grad shared``). Between harmonizations it backpropagates
+    ``sum_k w_k L_k + shared`` once, with the cached, EMA-smoothed weights.
+
+    Args:
+        optimizer: the optimizer to wrap; it performs every parameter update.
+        objectives: the objectives' names, or their number K.
+        weighting: defaults to :class:`mogo.MinNorm` (MARBLE: unit-norm gradients, min-norm
+            point, scaled to the mean gradient norm); :class:`mogo.WeightedSum` is the baseline.
+        harmonize_every: N, the optimizer steps between harmonizations (1: every step).
+        alpha_ema: rho, the EMA decay of alpha reused between harmonizations.
+        params: the parameters whose gradients define the Gram matrix (e.g. a shared trunk or
+            the LoRA weights); by default every trainable parameter of ``optimizer``.
+        grad_mode: per-objective gradients ``"auto"``, ``"batched"`` or ``"sequential"``.
+        nonfinite: what a NaN or Inf loss (or harmonized gradient) does: ``"raise"`` a
+            ``FloatingPointError`` naming the objective, ``"skip"`` the step (parameters and
+            optimizer state stay untouched), or ``"drop"`` the objective for this step. A NaN
+            that reaches the shared graph (autograd multiplies zero gradients by it) makes every
+            gradient non-finite; ``"drop"`` then skips the step.
+        sum_weights: weights of the weighted-sum baseline in the conflict diagnostics
+            (equal weights by default).
+
+    With gradient accumulation, the first ``backward`` of a harmonization step's window solves
+    for the weights on its micro-batch, and the window's other micro-batches backpropagate those
+    weights in one pass each: the K-gradient cost is paid on one micro-batch per N steps.
+    """
+
+    def __init__(
+        self,
+        optimizer: torch.optim.Optimizer,
+        objectives: Sequence[str] | int,
+        *,
+        weighting: Weighting | None = None,
+        harmonize_every: int = 1,
+        alpha_ema: float = 0.0,
+        params: Iterable[Tensor] | None = None,
+        grad_mode: GradMode = "auto",
+        nonfinite: NonFinitePolicy = "raise",
+        sum_weights: Sequence[float] | None = None,
+    ) -> None:
+        if not isinstance(optimizer, torch.optim.Optimizer):
+            raise TypeError(f"optimizer must be a torch.optim.Optimizer, got {type(optimizer).__name__}")
+        names = (
+            tuple(f"objective_{k}" for k in range(objectives))
+            if isinstance(objectives, int)
+            else tuple(objectives)
+        )
+        if not names or len(set(names)) != len(names):
+            raise ValueError(f"objectives must be a positive count or distinct names, got {objectives!r}")
+        if nonfinite not in ("raise", "skip", "drop"):
+            raise ValueError(f"nonfinite must be 'raise', 'skip' or 'drop', got {nonfinite!r}")
+        if grad_mode not in ("auto", "batched", "sequential"):
+            raise ValueError(f"grad_mode must be 'auto', 'batched' or 'sequential', got {grad_mode!r}")
+        if sum_weights is not None and len(sum_weights) != len(names):
+            raise ValueError(f"sum_weights has {len(sum_weights)} entries for {len(names)} objectives")
+        self.optimizer = optimizer
+        self.objectives = names
+        self.weighting = MinNorm() if weighting is None else weighting
+        self.amortizer = AmortizedWeights(harmonize_every, alpha_ema)
+        self.grad_mode: GradMode = grad_mode
+        self.nonfinite: NonFinitePolicy = nonfinite
+        self.sum_weights = None if sum_weights is None else torch.tensor(sum_weights, dtype=torch.float64)
+        trainable = {id(p) for p in self._trainable()}
+        chosen = self._trainable() if params is None else list(params)
+        stray = [i for i, p in enumerate(chosen) if id(p) not in trainable]
+        if stray:
+            raise ValueError(f"params {stray} are not trainable parameters of the wrapped optimizer")
+        self._harmonized = {id(p) for p in chosen}
+        self.last_report: ConflictReport | None = None
+        self.meter = ConflictMeter()
+        self._skip_step = False
+        self._window_weights: Tensor | None = None  # weights solved in this step's window
+        self._optimizer_step_pre_hooks: OrderedDict = OrderedDict()
+        self._optimizer_step_post_hooks: OrderedDict = OrderedDict()
+        self._optimizer_state_dict_pre_hooks: OrderedDict = OrderedDict()
+        self._optimizer_state_dict_post_hooks: OrderedDict = OrderedDict()
+        self._optimizer_load_state_dict_pre_hooks: OrderedDict = OrderedDict()
+        self._optimizer_load_state_dict_post_hooks: OrderedDict = OrderedDict()
+        self._patch_step_function()
+
+    # The wrapped optimizer's own dicts, so schedulers and GradScaler act on them.
+    @property
+    def param_groups(self) -> list[dict[str, Any]]:
+        return self.optimizer.param_groups
+
+    @param_groups.setter
+    def param_groups(self, value: list[dict[str, Any]]) -> None:
+        self.optimizer.param_groups = value
+
+    @property
+    def state(self) -> Any:
+        return self.optimizer.state
+
+    @state.setter
+    def state(self, value: Any) -> None:
+        self.optimizer.state = value
+
+    @property
+    def defaults(self) -> dict[str, Any]:
+        return self.optimizer.defaults
+
+    @defaults.setter
+    def defaults(self, value: dict[str, Any]) -> None:
+        self.optimizer.defaults = value
+
+    def _trainable(self) -> list[Tensor]:
+        return [p for group in self.optimizer.param_groups for p in group["params"] if p.requires_grad]
+
+    def backward(self, losses: Tensor, shared: Tensor | None = None) -> None:
+        """Accumulate the harmonized gradient of ``losses`` (K,) into ``.grad``.
+
+        ``shared`` (a scalar, e.g. a KL term) is added with weight 1 and takes no part in the
+        weighting. Call once per micro-batch; ``step`` ends the window.
+        """
+        K = len(self.objectives)
+        if not isinstance(losses, Tensor) or losses.shape != (K,):
+            shape = tuple(losses.shape) if isinstance(losses, Tensor) else type(losses).__name__
+            raise ValueError(
+                f"losses must be a tensor of shape ({K},) for objectives {self.objectives}, got {shape}"
+            )
+        if shared is not None and shared.numel() != 1:
+            raise ValueError(f"shared must be a scalar loss, got shape {tuple(shared.shape)}")
+        if self._skip_step:
+            return
+        active = self._finite_objectives(losses.detach(), "loss")
+        if active is None:
+            return
+        if self.amortizer.due and self._window_weights is None:
+            self._harmonize(losses, shared, active)
+        else:
+            weights = (
+                self._window_weights if self._window_weights is not None else self.amortizer.loss_weights()
+            )
+            weights = weights.to(device=losses.device, dtype=losses.dtype)
+            total = (weights[active] * losses[active]).sum()
+            (total if shared is None else total + shared.reshape(())).backward()
+
+    def _finite_objectives(self, values: Tensor, what: str) -> Tensor | None:
+        """The mask of objectives to keep, or None when the step is skipped; raises on "raise"."""
+        finite = torch.isfinite(values)
+        if bool(finite.all()):
+            return finite
+        bad = [name for name, ok in zip(self.objectives, finite.tolist(), strict=True) if not ok]
+        if self.nonfinite == "raise":
+            raise FloatingPointError(
+                f"non-finite {what} for objective(s) {bad}: {values.tolist()}. "
+                "Pass nonfinite='skip' or 'drop' to HarmonizedOptimizer to continue past such steps."
+            )
+        if self.nonfinite == "skip" or not bool(finite.any()):
+            self._skip_step = True
+            return None
+        return finite
+
+    def _harmonize(self, losses: Tensor, shared: Tensor | None, active: Tensor) -> None:
+        params = self._trainable()
+        rows = losses[active]
+        if shared is not None:
+            rows = torch.cat([rows, shared.reshape(1).to(rows.dtype)])
+        grads, self.grad_mode = objective_grads(rows, params, mode=self.grad_mode)
+        n = int(active.sum())
+        gram = gramian([g[:n] for g, p in zip(grads, params, strict=True) if id(p) in self._harmonized])
+        if not bool(torch.isfinite(gram).all()):
+            values = torch.zeros(len(self.objectives), dtype=torch.float64)
+            values[active] = torch.isfinite(gram).all(dim=1).cpu().double().log()  # 0 or -inf
+            kept = self._finite_objectives(values, "gradient")
+            if kept is None or not bool((kept & active).any()):
+                self._skip_step = True  # e.g. a NaN that autograd spread into every gradient
+                return
+            keep_rows = kept[active]  # "drop": leave out the objectives with non-finite gradients
+            grads = [torch.cat([g[:n][keep_rows.to(g.device)], g[n:]]) for g in grads]
+            gram = gram[keep_rows][:, keep_rows]
+            active, n = active & kept, int((active & kept).sum())
+        weights = self.weighting(gram, losses.detach()[active].to(torch.float64))
+        expanded = self._expand(weights, active)
+        self.amortizer.update(expanded)
+        loss_weights = weights.loss_weights
+        with torch.no_grad():
+            for p, g in zip(params, grads, strict=True):
+                update = torch.einsum("k,k...->...", loss_weights.to(device=g.device, dtype=g.dtype), g[:n])
+                if shared is not None:
+                    update = update + g[n]
+                p.grad = update if p.grad is None else p.grad + update
+        self._window_weights = expanded.loss_weights
+        names = tuple(name for name, ok in zip(self.objectives, active.tolist(), strict=True) if ok)
+        sum_weights = None if self.sum_weights is None else self.sum_weights[active.cpu()]
+        self.last_report = ConflictReport.from_gram(gram, weights, names, sum_weights)
+        self.meter.update(self.last_report)
+
+    def _expand(self, weights: Weights, active: Tensor) -> Weights:
+        """Weights over the active objectives, scattered to all K (alpha 0, divisor 1 elsewhere)."""
+        K = len(self.objectives)
+        alpha = weights.alpha.new_zeros(K)
+        divisor = weights.divisor.new_ones(K)
+        mask = active.to(alpha.device)
+        alpha[mask], divisor[mask] = weights.alpha, weights.divisor
+        return Weights(alpha, divisor, weights.scale, weights.solve)
+
+    def step(self, closure: Callable[[], Tensor] | None = None) -> Tensor | None:
+        """Update the parameters with the wrapped optimizer, unless a non-finite step is skipped.
+
+        ``closure``, if given, returns the K losses of a fresh forward pass; ``step`` then zeroes
+        the gradients and calls ``backward`` on them itself, and returns the losses.
+        """
+        losses = None
+        if closure is not None:
+            with torch.enable_grad():
+                self.zero_grad()
+                losses = closure()
+                self.backward(losses)
+        skipped, self._skip_step, self._window_weights = self._skip_step, False, None
+        if skipped:
+            return losses
+        self.optimizer.step()
+        self.amortizer.step += 1
+        return losses
+
+    def zero_grad(self, set_to_none: bool = True) -> None:
+        """Zero the gradients and open a new window (its first ``backward`` may harmonize)."""
+        self.optimizer.zero_grad(set_to_none=set_to_none)
+        self._skip_step, self._window_weights = False, None
+
+    def state_dict(self) -> dict[str, Any]:
+        """``{"inner": wrapped optimizer's state_dict, "mogo": schedule, weights, statistics}``."""
+        for hook in self._optimizer_state_dict_pre_hooks.values():
+            hook(self)
+        state = {
+            "inner": self.optimizer.state_dict(),
+            "mogo": {
+                "objectives": list(self.objectives),
+                "amortizer": self.amortizer.state_dict(),
+                "grad_mode": self.grad_mode,
+                "meter": dict(vars(self.meter)),
+            },
+        }
+        for hook in self._optimizer_state_dict_post_hooks.values():
+            result = hook(self, state)
+            if result is not None:
+                state = result
+        return state
+
+    def load_state_dict(self, state_dict: dict[str, Any]) -> None:
+        """Restore a :meth:`state_dict`; checks it before changing anything."""
+        for hook in self._optimizer_load_state_dict_pre_hooks.values():
+            result = hook(self, state_dict)
+            if result is not None:
+                state_dict = result
+        if not isinstance(state_dict, dict) or set(state_dict) != {"inner", "mogo"}:
+            keys = sorted(state_dict) if isinstance(state_dict, dict) else type(state_dict).__name__
+            raise ValueError(
+                f"not a HarmonizedOptimizer state_dict: expected keys ['inner', 'mogo'], got {keys}"
+            )
+        mine = state_dict["mogo"]
+        if tuple(mine.get("objectives", ())) != self.objectives:
+            raise ValueError(
+                f"state_dict is for objectives {mine.get('objectives')}, "
+                f"this optimizer has {list(self.objectives)}"
+            )
+        amortizer = AmortizedWeights()
+        amortizer.load_state_dict(mine["amortizer"])
+        self.optimizer.load_state_dict(state_dict["inner"])
+        self.amortizer = amortizer
+        self.grad_mode = mine["grad_mode"]
+        self.meter = ConflictMeter(**mine["meter"])
+        for hook in self._optimizer_load_state_dict_post_hooks.values():
+            hook(self)
+
+    def __getstate__(self) -> dict[str, Any]:
+        return dict(self.__dict__)
+
+    def __setstate__(self, state: dict[str, Any]) -> None:
+        self.__dict__.update(state)
+
+    def __repr__(self) -> str:
+        return (
+            f"HarmonizedOptimizer({self.optimizer.__class__.__name__}, objectives={list(self.objectives)}, "
+            f"weighting={self.weighting!r}, harmonize_every={self.amortizer.harmonize_every}, "
+            f"alpha_ema={self.amortizer.alpha_ema})"
+        )

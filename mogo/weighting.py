@@ -1,0 +1,128 @@
+"""Weightings: from the Gram matrix of K gradients to the weights of their combination.
+
+A weighting maps the raw Gram matrix ``G`` (K x K, float64) and the loss values to
+:class:`Weights`. The update direction is always ``d = sum_k w_k g_k`` with loss weights
+
+.. math::  w_k = s \\, \\alpha_k / c_k,
+
+where ``alpha`` lies on the simplex, ``c_k`` divides objective k's gradient (its norm, for MARBLE)
+and ``s`` sets the step's scale. Backpropagating ``sum_k w_k L_k`` reproduces ``d`` exactly, which is
+what lets amortized steps reuse ``alpha``, ``c`` and ``s`` with a single backward pass.
+"""
+
+from __future__ import annotations
+
+from dataclasses import dataclass
+from typing import Literal, Protocol
+
+import torch
+from torch import Tensor
+
+from mogo.gram import Normalization, normalize_gram
+from mogo.solvers import Method, MinNormResult, min_norm
+
+__all__ = ["MinNorm", "WeightedSum", "Weighting", "Weights"]
+
+
+@dataclass(frozen=True)
+class Weights:
+    """The combination chosen by a weighting, for K objectives.
+
+    Attributes:
+        alpha: ``(K,)`` float64 on the simplex (0 for excluded objectives).
+        divisor: ``(K,)`` float64 ``c_k`` (1 where the weighting does not normalise).
+        scale: ``s``, a 0-d float64 tensor.
+        solve: the min-norm result, where a QP was solved.
+    """
+
+    alpha: Tensor
+    divisor: Tensor
+    scale: Tensor
+    solve: MinNormResult | None = None
+
+    @property
+    def loss_weights(self) -> Tensor:
+        """``(K,)`` float64 ``w_k = s * alpha_k / c_k``."""
+        return self.scale * self.alpha / self.divisor
+
+
+class Weighting(Protocol):
+    """Anything that maps ``(G (K, K) float64, losses (K,))`` to :class:`Weights`."""
+
+    def __call__(self, gram: Tensor, losses: Tensor) -> Weights: ...
+
+
+class MinNorm:
+    """MGDA / MARBLE: the minimum-norm point of the hull of the normalised gradients.
+
+    Args:
+        normalize: ``"l2"`` (MARBLE, ``c_k = ||g_k||``), ``"loss"`` (``c_k = L_k``) or ``"none"``.
+        method: min-norm solver method (see :func:`mogo.min_norm`).
+        scale: ``"mean_norm"`` (the default for ``"l2"``: ``s`` is the mean gradient norm, so the
+            update equals the mean gradient when all gradients agree and learning rates carry
+            over from weighted-sum training), ``"unit"`` (``s = 1``, the default otherwise) or a
+            positive number.
+
+    Example:
+        >>> import torch, mogo
+        >>> J = torch.tensor([[2.0, 0.0], [0.0, 1.0]], dtype=torch.float64)
+        >>> weights = mogo.MinNorm()(J @ J.T, torch.ones(2))
+        >>> weights.alpha, weights.loss_weights
+        (tensor([0.5000, 0.5000], dtype=torch.float64), tensor([0.3750, 0.7500], dtype=torch.float64))
+    """
+
+    def __init__(
+        self,
+        normalize: Normalization = "l2",
+        *,
+        method: Method = "auto",
+        scale: Literal["mean_norm", "unit"] | float | None = None,
+    ) -> None:
+        if normalize not in ("l2", "loss", "none"):
+            raise ValueError(f"unknown normalization {normalize!r}; use 'l2', 'loss' or 'none'")
+        scale = ("mean_norm" if normalize == "l2" else "unit") if scale is None else scale
+        if isinstance(scale, str) and scale not in ("mean_norm", "unit"):
+            raise ValueError(f"scale must be 'mean_norm', 'unit' or a positive number, got {scale!r}")
+        if not isinstance(scale, str) and not float(scale) > 0:
+            raise ValueError(f"scale must be positive, got {scale}")
+        self.normalize, self.method, self.scale = normalize, method, scale
+
+    def __call__(self, gram: Tensor, losses: Tensor) -> Weights:
+        normalized = normalize_gram(gram, self.normalize, losses=losses)
+        result = min_norm(normalized.gram, method=self.method)
+        if self.scale == "mean_norm":
+            scale = gram.diagonal().clamp_min(0).sqrt().mean()
+        else:
+            scale = gram.new_tensor(1.0 if self.scale == "unit" else float(self.scale))
+        return Weights(normalized.expand(result.alpha), normalized.scale, scale, result)
+
+    def __repr__(self) -> str:
+        return f"MinNorm(normalize={self.normalize!r}, method={self.method!r}, scale={self.scale!r})"
+
+
+class WeightedSum:
+    """The scalarisation baseline ``d = sum_k w_k g_k`` with fixed weights, through the same path.
+
+    Args:
+        weights: ``(K,)`` non-negative, not all zero.
+    """
+
+    def __init__(self, weights: Tensor | list[float]) -> None:
+        weights = torch.as_tensor(weights, dtype=torch.float64).reshape(-1)
+        if weights.numel() == 0 or not bool(torch.isfinite(weights).all()) or bool((weights < 0).any()):
+            raise ValueError(f"weights must be finite and non-negative, got {weights.tolist()}")
+        if not bool(weights.sum() > 0):
+            raise ValueError("weights must not all be zero")
+        self.weights = weights
+
+    def __call__(self, gram: Tensor, losses: Tensor) -> Weights:
+        if gram.shape[-1] != self.weights.numel():
+            raise ValueError(
+                f"WeightedSum has {self.weights.numel()} weights for {gram.shape[-1]} objectives"
+            )
+        weights = self.weights.to(gram.device)
+        total = weights.sum()
+        return Weights(weights / total, torch.ones_like(weights), total)
+
+    def __repr__(self) -> str:
+        return f"WeightedSum({self.weights.tolist()})"
