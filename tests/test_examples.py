@@ -27,14 +27,39 @@ def test_conflicting_gradients_example_shows_weighted_sum_conflicts_and_min_norm
     assert rates["conflicting/K=5/mean"] > 0.5  # the mean gradient opposes someone most of the time
 
 
-def test_example_has_a_working_help():
+@pytest.mark.parametrize(
+    ("script", "option"),
+    [
+        ("conflicting_gradients.py", "--trials"),
+        ("pareto_toy.py", "--steps"),
+        ("multitask_digits.py", "--epochs"),
+    ],
+)
+def test_examples_have_a_working_help(script, option):
     result = subprocess.run(
-        [sys.executable, str(ROOT / "examples" / "conflicting_gradients.py"), "--help"],
+        [sys.executable, str(ROOT / "examples" / script), "--help"],
         capture_output=True,
         text=True,
         check=True,
     )
-    assert "--trials" in result.stdout
+    assert option in result.stdout
+
+
+def test_pareto_toy_weighted_sum_sacrifices_the_quiet_objective_and_min_norm_reaches_the_front(tmp_path):
+    results = load(ROOT / "examples" / "pareto_toy.py").main(["--steps", "200", "--out", str(tmp_path)])
+    assert (tmp_path / "pareto_toy.png").stat().st_size > 10_000
+    assert min(results["weighted sum"]) > 3.5  # every start ends next to b
+    assert max(results["MinNorm distance to front"]) < 0.05
+    assert sum(results["MinNorm"]) < 0.5 * sum(results["weighted sum"])
+
+
+def test_multitask_digits_marble_beats_the_weighted_sum_on_the_quiet_tasks(tmp_path):
+    summary = load(ROOT / "examples" / "multitask_digits.py").main(
+        ["--epochs", "4", "--seeds", "1", "--out", str(tmp_path)]
+    )
+    assert (tmp_path / "multitask_digits.png").stat().st_size > 10_000
+    assert summary["MARBLE"]["digit accuracy"] > summary["weighted sum"]["digit accuracy"]
+    assert 0 <= summary["MARBLE"]["conflict rate"] <= 1
 
 
 @pytest.mark.slow

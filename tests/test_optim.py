@@ -453,3 +453,21 @@ def test_wrong_number_of_losses_names_the_objectives():
     model, opt = adam_factory()()
     with pytest.raises(ValueError, match=r"shape \(3,\) for objectives \('a', 'b', 'c'\), got \(2,\)"):
         opt.backward(regression_losses(model, 0)[:2])
+
+
+def test_accelerator_prepare_keeps_the_wrapper_working():
+    from accelerate import Accelerator
+
+    plain_model, plain_opt = adam_factory(harmonize_every=2)()
+    run(None, 4, start=(plain_model, plain_opt))
+    model, opt = adam_factory(harmonize_every=2)()
+    accelerator = Accelerator(cpu=True)
+    model, prepared = accelerator.prepare(model, opt)
+    assert prepared.optimizer is opt
+    for step in range(4):
+        prepared.zero_grad()
+        opt.backward(regression_losses(model, step))
+        prepared.step()
+    assert opt.amortizer.step == 4
+    for a, b in zip(model.parameters(), plain_model.parameters(), strict=True):
+        torch.testing.assert_close(a, b)
