@@ -1,0 +1,180 @@
+"""Cost of one optimizer step with K objectives, as a ratio to a weighted-sum step, same run.
+
+Strategies, on an MLP (1.1M parameters) and a transformer encoder (about 10M):
+
+* ``weighted sum``: one backward of ``sum_k L_k`` (the reference, ratio 1), and the same over
+  8 micro-batches (the reference of the micro-batch row);
+* ``floor``: one forward plus K backward passes with ``retain_graph``, the least a step that
+  needs K gradients can cost;
+* ``mogo full (batched | sequential)``: HarmonizedOptimizer harmonizing every step;
+* ``mogo amortized N=5/10/20``: harmonizing every N steps, averaged over 2N steps;
+* ``mogo 8 micro-batches, N=10``: gradient accumulation, alpha estimated on one micro-batch;
+* ``torchjd MGDA / UPGrad``: ``torchjd.autojac.backward`` + ``jac_to_grad``.
+
+Each step includes forward, backward and the optimizer update (SGD). Times are medians of
+repeated runs of consecutive steps after a warm-up step. Peak memory is not reported: torch keeps
+no allocator statistics on the CPU.
+
+    python benchmarks/step.py [--quick] [--repeats 5] [--models "MLP 1.3M" "transformer 10M"]
+"""
+
+from __future__ import annotations
+
+import argparse
+import statistics
+import time
+from collections.abc import Callable
+
+import torch
+
+import mogo
+
+
+def mlp(K: int) -> torch.nn.Module:
+    return torch.nn.Sequential(
+        torch.nn.Linear(512, 1024), torch.nn.ReLU(), torch.nn.Linear(1024, 512), torch.nn.ReLU(),
+        torch.nn.Linear(512, K),
+    )  # fmt: skip
+
+
+class Encoder(torch.nn.Module):
+    """About 10M parameters: 4 layers of width 448, 8 heads, on 32 tokens."""
+
+    def __init__(self, K: int, width: int = 448, layers: int = 4) -> None:
+        super().__init__()
+        self.embed = torch.nn.Linear(64, width)
+        layer = torch.nn.TransformerEncoderLayer(width, 8, 4 * width, dropout=0.0, batch_first=True)
+        self.blocks = torch.nn.TransformerEncoder(layer, layers, enable_nested_tensor=False)
+        self.head = torch.nn.Linear(width, K)
+
+    def forward(self, x: torch.Tensor) -> torch.Tensor:
+        return self.head(self.blocks(self.embed(x)).mean(1))
+
+
+MODELS: dict[str, tuple[Callable[[int], torch.nn.Module], tuple[int, ...]]] = {
+    "MLP 1.1M": (mlp, (64, 512)),
+    "transformer 10M": (Encoder, (8, 32, 64)),
+}
+
+
+def objective_losses(model: torch.nn.Module, x: torch.Tensor, y: torch.Tensor) -> torch.Tensor:
+    return ((model(x) - y) ** 2).mean(0)
+
+
+def timed_steps(step: Callable[[], None], count: int, repeats: int) -> float:
+    """Median over ``repeats`` of the mean seconds per step over ``count`` consecutive steps."""
+    step()
+    samples = []
+    for _ in range(repeats):
+        start = time.perf_counter()
+        for _ in range(count):
+            step()
+        samples.append((time.perf_counter() - start) / count)
+    return statistics.median(samples)
+
+
+def strategies(
+    model: torch.nn.Module, x: torch.Tensor, y: torch.Tensor, K: int
+) -> dict[str, tuple[Callable, int]]:
+    params = list(model.parameters())
+    sgd = torch.optim.SGD(params, lr=1e-6)
+
+    def weighted_sum() -> None:
+        sgd.zero_grad()
+        objective_losses(model, x, y).sum().backward()
+        sgd.step()
+
+    def floor() -> None:
+        sgd.zero_grad()
+        losses = objective_losses(model, x, y)
+        for k in range(K):
+            torch.autograd.grad(losses[k], params, retain_graph=k < K - 1)
+        sgd.step()
+
+    def mogo_step(every: int, mode: str, micro_batches: int = 1) -> Callable[[], None]:
+        opt = mogo.HarmonizedOptimizer(
+            torch.optim.SGD(params, lr=1e-6), K, harmonize_every=every, alpha_ema=0.9, grad_mode=mode
+        )
+        chunks = list(zip(x.chunk(micro_batches), y.chunk(micro_batches), strict=True))
+
+        def step() -> None:
+            opt.zero_grad()
+            for xs, ys in chunks:
+                opt.backward(objective_losses(model, xs, ys))
+            opt.step()
+
+        return step
+
+    def torchjd_step(aggregator_name: str) -> Callable[[], None]:
+        from torchjd import aggregation, autojac
+
+        aggregator = getattr(aggregation, aggregator_name)()
+
+        def step() -> None:
+            sgd.zero_grad()
+            autojac.backward(objective_losses(model, x, y))
+            autojac.jac_to_grad(params, aggregator)
+            sgd.step()
+
+        return step
+
+    micro = x.shape[0] // 8
+    return {
+        "weighted sum": (weighted_sum, 1),
+        "floor: fwd + K bwd": (floor, 1),
+        "mogo full, batched": (mogo_step(1, "batched"), 1),
+        "mogo full, sequential": (mogo_step(1, "sequential"), 1),
+        "mogo amortized N=5": (mogo_step(5, "auto"), 10),
+        "mogo amortized N=10": (mogo_step(10, "auto"), 20),
+        "mogo amortized N=20": (mogo_step(20, "auto"), 40),
+        "weighted sum, 8 micro-batches": (lambda: weighted_sum_micro(model, sgd, x, y, micro), 1),
+        "mogo 8 micro-batches, N=10": (mogo_step(10, "auto", 8), 20),
+        "torchjd MGDA": (torchjd_step("MGDA"), 1),
+        "torchjd UPGrad": (torchjd_step("UPGrad"), 1),
+    }
+
+
+def weighted_sum_micro(
+    model: torch.nn.Module, sgd: torch.optim.Optimizer, x: torch.Tensor, y: torch.Tensor, size: int
+) -> None:
+    sgd.zero_grad()
+    for xs, ys in zip(x.split(size), y.split(size), strict=True):
+        objective_losses(model, xs, ys).sum().backward()
+    sgd.step()
+
+
+def main(argv: list[str] | None = None) -> None:
+    parser = argparse.ArgumentParser(description=__doc__.splitlines()[0])
+    parser.add_argument("--quick", action="store_true", help="K=5 only")
+    parser.add_argument("--models", nargs="+", choices=list(MODELS), default=list(MODELS))
+    parser.add_argument("--repeats", type=int, default=5)
+    args = parser.parse_args(argv)
+    torch.set_num_threads(1)
+    torch.manual_seed(0)
+    models = args.models
+    sizes = [5] if args.quick else [2, 5, 10]
+    for name in models:
+        build, shape = MODELS[name]
+        for K in sizes:
+            model = build(K)
+            x, y = torch.randn(*shape), torch.randn(shape[0], K)
+            count = sum(p.numel() for p in model.parameters())
+            results = {
+                label: timed_steps(step, n, args.repeats)
+                for label, (step, n) in strategies(model, x, y, K).items()
+            }
+            base, micro_base = results["weighted sum"], results["weighted sum, 8 micro-batches"]
+            print(f"\n{name} ({count / 1e6:.1f}M parameters), K={K}, batch {shape[0]}")
+            print("| strategy | ms per step | ratio to weighted sum |\n|---|---|---|")
+            for label, seconds in results.items():
+                reference = micro_base if "micro" in label else base
+                print(f"| {label} | {seconds * 1e3:.1f} | {seconds / reference:.2f} |")
+            c = results["mogo full, batched"] / base
+            floor_ratio = results["mogo full, batched"] / results["floor: fwd + K bwd"]
+            amortized = results["mogo amortized N=10"] / base
+            print(f"full harmonization / floor: {floor_ratio:.2f}; N=10 average {amortized:.2f}, "
+                  f"against 1 + (c - 1) / 10 = {1 + (c - 1) / 10:.2f}")  # fmt: skip
+
+
+if __name__ == "__main__":
+    main()
