@@ -52,7 +52,8 @@ class HarmonizedOptimizer(torch.optim.Optimizer):
         grad_mode: per-objective gradients ``"auto"``, ``"batched"`` or ``"sequential"``.
         nonfinite: what a NaN or Inf loss (or harmonized gradient) does: ``"raise"`` a
             ``FloatingPointError`` naming the objective, ``"skip"`` the step (parameters and
-            optimizer state stay untouched), or ``"drop"`` the objective for this step. A NaN
+            optimizer state stay untouched; ``.grad`` is NaN, which a GradScaler reads as an
+            overflow), or ``"drop"`` the objective for this step. A NaN
             that reaches the shared graph (autograd multiplies zero gradients by it) makes every
             gradient non-finite; ``"drop"`` then skips the step.
         sum_weights: weights of the weighted-sum baseline in the conflict diagnostics
@@ -162,6 +163,7 @@ class HarmonizedOptimizer(torch.optim.Optimizer):
             return
         active = self._finite_objectives(losses.detach(), "loss")
         if active is None:
+            self._mark_skipped()
             return
         if self.amortizer.due and self._window_weights is None:
             self._harmonize(losses, shared, active)
@@ -185,9 +187,15 @@ class HarmonizedOptimizer(torch.optim.Optimizer):
                 "Pass nonfinite='skip' or 'drop' to HarmonizedOptimizer to continue past such steps."
             )
         if self.nonfinite == "skip" or not bool(finite.any()):
-            self._skip_step = True
             return None
         return finite
+
+    def _mark_skipped(self) -> None:
+        """Skip this step: ``step`` will not update, and ``.grad`` is NaN, where a GradScaler
+        finds the overflow and lowers its scale as it does for any optimizer."""
+        self._skip_step = True
+        for p in self._trainable():
+            p.grad = torch.full_like(p, float("nan"))
 
     def _harmonize(self, losses: Tensor, shared: Tensor | None, active: Tensor) -> None:
         params = self._trainable()
@@ -202,7 +210,7 @@ class HarmonizedOptimizer(torch.optim.Optimizer):
             values[active] = torch.isfinite(gram).all(dim=1).cpu().double().log()  # 0 or -inf
             kept = self._finite_objectives(values, "gradient")
             if kept is None or not bool((kept & active).any()):
-                self._skip_step = True  # e.g. a NaN that autograd spread into every gradient
+                self._mark_skipped()  # e.g. a NaN that autograd spread into every gradient
                 return
             keep_rows = kept[active]  # "drop": leave out the objectives with non-finite gradients
             grads = [torch.cat([g[:n][keep_rows.to(g.device)], g[n:]]) for g in grads]

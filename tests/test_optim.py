@@ -384,6 +384,27 @@ def test_grad_scaler_and_bf16_autocast():
         torch.testing.assert_close(a, b, atol=1e-5, rtol=1e-4)
 
 
+def test_grad_scaler_overflow_is_skipped_and_lowers_the_scale():
+    model, opt = adam_factory(harmonize_every=1)()
+    opt.nonfinite = "skip"
+    scaler = torch.amp.GradScaler("cpu", init_scale=2.0**127, growth_interval=1000)
+    params = copy.deepcopy(model.state_dict())
+    opt.zero_grad()
+    opt.backward(scaler.scale(1e3 * regression_losses(model, 0)))  # overflows float32
+    scaler.step(opt)
+    scaler.update()
+    assert scaler.get_scale() < 2.0**127
+    for name, value in model.state_dict().items():
+        assert torch.equal(value, params[name])
+    for step in range(40):  # the scale comes down until steps go through
+        opt.zero_grad()
+        opt.backward(scaler.scale(1e3 * regression_losses(model, step)))
+        scaler.step(opt)
+        scaler.update()
+    assert opt.amortizer.step > 0
+    assert all(torch.isfinite(p).all() for p in model.parameters())
+
+
 def test_gradient_accumulation_estimates_alpha_on_the_first_micro_batch():
     model, opt = adam_factory(harmonize_every=2, alpha_ema=0.0)()
     opt.zero_grad()
