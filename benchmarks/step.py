@@ -61,16 +61,20 @@ def objective_losses(model: torch.nn.Module, x: torch.Tensor, y: torch.Tensor) -
     return ((model(x) - y) ** 2).mean(0)
 
 
-def timed_steps(step: Callable[[], None], count: int, repeats: int) -> float:
-    """Median over ``repeats`` of the mean seconds per step over ``count`` consecutive steps."""
-    step()
-    samples = []
+def timed_steps(steps: dict[str, tuple[Callable[[], None], int]], repeats: int) -> dict[str, float]:
+    """Median over ``repeats`` rounds of each strategy's mean seconds per step over its ``count``
+    consecutive steps. Rounds interleave the strategies, so that drift in the machine's speed
+    affects every ratio alike."""
+    for step, _ in steps.values():
+        step()
+    samples: dict[str, list[float]] = {label: [] for label in steps}
     for _ in range(repeats):
-        start = time.perf_counter()
-        for _ in range(count):
-            step()
-        samples.append((time.perf_counter() - start) / count)
-    return statistics.median(samples)
+        for label, (step, count) in steps.items():
+            start = time.perf_counter()
+            for _ in range(count):
+                step()
+            samples[label].append((time.perf_counter() - start) / count)
+    return {label: statistics.median(values) for label, values in samples.items()}
 
 
 def strategies(
@@ -120,17 +124,17 @@ def strategies(
 
     micro = x.shape[0] // 8
     return {
-        "weighted sum": (weighted_sum, 1),
-        "floor: fwd + K bwd": (floor, 1),
-        "mogo full, batched": (mogo_step(1, "batched"), 1),
-        "mogo full, sequential": (mogo_step(1, "sequential"), 1),
-        "mogo amortized N=5": (mogo_step(5, "auto"), 10),
+        "weighted sum": (weighted_sum, 20),
+        "floor: fwd + K bwd": (floor, 20),
+        "mogo full, batched": (mogo_step(1, "batched"), 20),
+        "mogo full, sequential": (mogo_step(1, "sequential"), 20),
+        "mogo amortized N=5": (mogo_step(5, "auto"), 20),
         "mogo amortized N=10": (mogo_step(10, "auto"), 20),
         "mogo amortized N=20": (mogo_step(20, "auto"), 40),
-        "weighted sum, 8 micro-batches": (lambda: weighted_sum_micro(model, sgd, x, y, micro), 1),
+        "weighted sum, 8 micro-batches": (lambda: weighted_sum_micro(model, sgd, x, y, micro), 20),
         "mogo 8 micro-batches, N=10": (mogo_step(10, "auto", 8), 20),
-        "torchjd MGDA": (torchjd_step("MGDA"), 1),
-        "torchjd UPGrad": (torchjd_step("UPGrad"), 1),
+        "torchjd MGDA": (torchjd_step("MGDA"), 20),
+        "torchjd UPGrad": (torchjd_step("UPGrad"), 20),
     }
 
 
@@ -159,10 +163,7 @@ def main(argv: list[str] | None = None) -> None:
             model = build(K)
             x, y = torch.randn(*shape), torch.randn(shape[0], K)
             count = sum(p.numel() for p in model.parameters())
-            results = {
-                label: timed_steps(step, n, args.repeats)
-                for label, (step, n) in strategies(model, x, y, K).items()
-            }
+            results = timed_steps(strategies(model, x, y, K), args.repeats)
             base, micro_base = results["weighted sum"], results["weighted sum, 8 micro-batches"]
             print(f"\n{name} ({count / 1e6:.1f}M parameters), K={K}, batch {shape[0]}")
             print("| strategy | ms per step | ratio to weighted sum |\n|---|---|---|")

@@ -206,8 +206,9 @@ class HarmonizedOptimizer(torch.optim.Optimizer):
         n = int(active.sum())
         gram = gramian([g[:n] for g, p in zip(grads, params, strict=True) if id(p) in self._harmonized])
         if not bool(torch.isfinite(gram).all()):
-            values = torch.zeros(len(self.objectives), dtype=torch.float64)
-            values[active] = torch.isfinite(gram).all(dim=1).cpu().double().log()  # 0 or -inf
+            finite_rows = torch.isfinite(gram).all(dim=1).cpu()
+            values = torch.zeros(len(self.objectives), dtype=torch.float64)  # NaN marks a bad gradient
+            values[active] = torch.where(finite_rows, 0.0, float("nan")).to(torch.float64)
             kept = self._finite_objectives(values, "gradient")
             if kept is None or not bool((kept & active).any()):
                 self._mark_skipped()  # e.g. a NaN that autograd spread into every gradient
