@@ -59,9 +59,11 @@ class HarmonizedOptimizer(torch.optim.Optimizer):
         sum_weights: weights of the weighted-sum baseline in the conflict diagnostics
             (equal weights by default).
 
-    With gradient accumulation, the first ``backward`` of a harmonization step's window solves
-    for the weights on its micro-batch, and the window's other micro-batches backpropagate those
-    weights in one pass each: the K-gradient cost is paid on one micro-batch per N steps.
+        accumulation: with several ``backward`` calls per step, ``"first"`` solves for the
+            weights on the window's first micro-batch and backpropagates them through the others,
+            one pass each (the K-gradient cost is paid on one micro-batch per N steps);
+            ``"window"`` keeps K gradient buffers over the window and solves on their sums at the
+            boundary (:meth:`harmonize`, called by ``step``).
     """
 
     def __init__(
@@ -76,6 +78,7 @@ class HarmonizedOptimizer(torch.optim.Optimizer):
         grad_mode: GradMode = "auto",
         nonfinite: NonFinitePolicy = "raise",
         sum_weights: Sequence[float] | None = None,
+        accumulation: Literal["first", "window"] = "first",
     ) -> None:
         if not isinstance(optimizer, torch.optim.Optimizer):
             raise TypeError(f"optimizer must be a torch.optim.Optimizer, got {type(optimizer).__name__}")
@@ -90,6 +93,10 @@ class HarmonizedOptimizer(torch.optim.Optimizer):
             raise ValueError(f"nonfinite must be 'raise', 'skip' or 'drop', got {nonfinite!r}")
         if grad_mode not in ("auto", "batched", "sequential"):
             raise ValueError(f"grad_mode must be 'auto', 'batched' or 'sequential', got {grad_mode!r}")
+        if accumulation not in ("first", "window"):
+            raise ValueError(f"accumulation must be 'first' or 'window', got {accumulation!r}")
+        if accumulation == "window" and nonfinite == "drop":
+            raise ValueError("nonfinite='drop' needs accumulation='first': a window sums every objective")
         if sum_weights is not None and len(sum_weights) != len(names):
             raise ValueError(f"sum_weights has {len(sum_weights)} entries for {len(names)} objectives")
         self.optimizer = optimizer
@@ -109,6 +116,9 @@ class HarmonizedOptimizer(torch.optim.Optimizer):
         self.meter = ConflictMeter()
         self._skip_step = False
         self._window_weights: Tensor | None = None  # weights solved in this step's window
+        self.accumulation = accumulation
+        self._buffers: list[Tensor] | None = None  # the window's summed K gradients ("window")
+        self._buffered_losses: Tensor | None = None
         self._optimizer_step_pre_hooks: OrderedDict = OrderedDict()
         self._optimizer_step_post_hooks: OrderedDict = OrderedDict()
         self._optimizer_state_dict_pre_hooks: OrderedDict = OrderedDict()
@@ -165,7 +175,9 @@ class HarmonizedOptimizer(torch.optim.Optimizer):
         if active is None:
             self._mark_skipped()
             return
-        if self.amortizer.due and self._window_weights is None:
+        if self.amortizer.due and self.accumulation == "window":
+            self._accumulate(losses, shared)
+        elif self.amortizer.due and self._window_weights is None:
             self._harmonize(losses, shared, active)
         else:
             weights = (
@@ -197,14 +209,44 @@ class HarmonizedOptimizer(torch.optim.Optimizer):
         for p in self._trainable():
             p.grad = torch.full_like(p, float("nan"))
 
-    def _harmonize(self, losses: Tensor, shared: Tensor | None, active: Tensor) -> None:
-        params = self._trainable()
+    def _objective_grads(self, losses: Tensor, shared: Tensor | None, active: Tensor) -> list[Tensor]:
+        """Stacked gradients of the active losses (rows) and of ``shared`` (a last row, if given)."""
         rows = losses[active]
         if shared is not None:
             rows = torch.cat([rows, shared.reshape(1).to(rows.dtype)])
-        grads, self.grad_mode = objective_grads(rows, params, mode=self.grad_mode)
+        grads, self.grad_mode = objective_grads(rows, self._trainable(), mode=self.grad_mode)
+        return grads
+
+    def _harmonize(self, losses: Tensor, shared: Tensor | None, active: Tensor) -> None:
+        """Harmonize on this micro-batch and write the update (``accumulation="first"``)."""
+        grads = self._objective_grads(losses, shared, active)
         n = int(active.sum())
-        gram = gramian([g[:n] for g, p in zip(grads, params, strict=True) if id(p) in self._harmonized])
+        if shared is not None:
+            self._add_to_grads([g[n] for g in grads])
+        self._apply([g[:n] for g in grads], active, losses.detach()[active])
+
+    def _accumulate(self, losses: Tensor, shared: Tensor | None) -> None:
+        """Add this micro-batch's K gradients to the window's buffers (``accumulation="window"``)."""
+        K = len(self.objectives)
+        grads = self._objective_grads(losses, shared, torch.ones(K, dtype=torch.bool, device=losses.device))
+        if shared is not None:
+            self._add_to_grads([g[K] for g in grads])
+        if self._buffers is None:
+            self._buffers, self._buffered_losses = [g[:K] for g in grads], losses.detach().clone()
+        else:
+            self._buffers = [b + g[:K] for b, g in zip(self._buffers, grads, strict=True)]
+            self._buffered_losses = self._buffered_losses + losses.detach()
+
+    def _add_to_grads(self, updates: list[Tensor]) -> None:
+        with torch.no_grad():
+            for p, update in zip(self._trainable(), updates, strict=True):
+                p.grad = update.clone() if p.grad is None else p.grad + update
+
+    def _apply(self, rows: list[Tensor], active: Tensor, losses: Tensor) -> None:
+        """Solve the weighting on the gradients ``rows`` (one ``[A, *p.shape]`` per parameter, for
+        the ``A`` active objectives) and add ``sum_k w_k g_k`` to ``.grad``."""
+        params = self._trainable()
+        gram = gramian([g for g, p in zip(rows, params, strict=True) if id(p) in self._harmonized])
         if not bool(torch.isfinite(gram).all()):
             finite_rows = torch.isfinite(gram).all(dim=1).cpu()
             values = torch.zeros(len(self.objectives), dtype=torch.float64)  # NaN marks a bad gradient
@@ -214,24 +256,31 @@ class HarmonizedOptimizer(torch.optim.Optimizer):
                 self._mark_skipped()  # e.g. a NaN that autograd spread into every gradient
                 return
             keep_rows = kept[active]  # "drop": leave out the objectives with non-finite gradients
-            grads = [torch.cat([g[:n][keep_rows.to(g.device)], g[n:]]) for g in grads]
+            rows = [g[keep_rows.to(g.device)] for g in rows]
             gram = gram[keep_rows][:, keep_rows]
-            active, n = active & kept, int((active & kept).sum())
-        weights = self.weighting(gram, losses.detach()[active].to(torch.float64))
+            losses = losses[keep_rows.to(losses.device)]
+            active = active & kept
+        weights = self.weighting(gram, losses.to(torch.float64))
         expanded = self._expand(weights, active)
         self.amortizer.update(expanded)
         loss_weights = weights.loss_weights
-        with torch.no_grad():
-            for p, g in zip(params, grads, strict=True):
-                update = torch.einsum("k,k...->...", loss_weights.to(device=g.device, dtype=g.dtype), g[:n])
-                if shared is not None:
-                    update = update + g[n]
-                p.grad = update if p.grad is None else p.grad + update
+        self._add_to_grads(
+            [torch.einsum("k,k...->...", loss_weights.to(device=g.device, dtype=g.dtype), g) for g in rows]
+        )
         self._window_weights = expanded.loss_weights
         names = tuple(name for name, ok in zip(self.objectives, active.tolist(), strict=True) if ok)
         sum_weights = None if self.sum_weights is None else self.sum_weights[active.cpu()]
         self.last_report = ConflictReport.from_gram(gram, weights, names, sum_weights)
         self.meter.update(self.last_report)
+
+    def harmonize(self) -> None:
+        """With ``accumulation="window"``: solve on the window's summed gradients and write
+        ``.grad``. ``step`` calls it; call it yourself before clipping or unscaling gradients."""
+        if self._buffers is None:
+            return
+        buffers, losses = self._buffers, self._buffered_losses
+        self._buffers = self._buffered_losses = None
+        self._apply(buffers, torch.ones(len(self.objectives), dtype=torch.bool, device=losses.device), losses)
 
     def _expand(self, weights: Weights, active: Tensor) -> Weights:
         """Weights over the active objectives, scattered to all K (alpha 0, divisor 1 elsewhere)."""
@@ -254,6 +303,7 @@ class HarmonizedOptimizer(torch.optim.Optimizer):
                 self.zero_grad()
                 losses = closure()
                 self.backward(losses)
+        self.harmonize()
         skipped, self._skip_step, self._window_weights = self._skip_step, False, None
         if skipped:
             return losses
@@ -265,6 +315,7 @@ class HarmonizedOptimizer(torch.optim.Optimizer):
         """Zero the gradients and open a new window (its first ``backward`` may harmonize)."""
         self.optimizer.zero_grad(set_to_none=set_to_none)
         self._skip_step, self._window_weights = False, None
+        self._buffers = self._buffered_losses = None
 
     def state_dict(self) -> dict[str, Any]:
         """``{"inner": wrapped optimizer's state_dict, "mogo": schedule, weights, statistics}``."""

@@ -492,3 +492,37 @@ def test_accelerator_prepare_keeps_the_wrapper_working():
     assert opt.amortizer.step == 4
     for a, b in zip(model.parameters(), plain_model.parameters(), strict=True):
         torch.testing.assert_close(a, b)
+
+
+def test_window_accumulation_harmonizes_the_summed_gradients_at_the_boundary():
+    model = mlp(9)
+    window = mogo.HarmonizedOptimizer(torch.optim.SGD(model.parameters(), lr=0.1), 3, accumulation="window")
+    penalty = lambda: 0.01 * sum((p**2).sum() for p in model.parameters())  # noqa: E731
+    for micro in range(3):
+        window.backward(regression_losses(model, micro), shared=penalty())
+    assert window.meter.steps == 0  # nothing solved before the boundary
+    window.harmonize()
+    assert window.meter.steps == 1
+    windowed, alpha = flat_grad(model), window.last_report.alpha
+    reference = mogo.HarmonizedOptimizer(torch.optim.SGD(model.parameters(), lr=0.1), 3)
+    reference.zero_grad()
+    summed = sum(regression_losses(model, micro) for micro in range(3))
+    reference.backward(summed, shared=3 * penalty())
+    torch.testing.assert_close(alpha, reference.last_report.alpha, atol=1e-6, rtol=0)
+    torch.testing.assert_close(windowed, flat_grad(model), atol=1e-5, rtol=1e-5)
+
+
+def test_window_accumulation_steps_through_step_and_rejects_drop():
+    model = mlp(10)
+    opt = mogo.HarmonizedOptimizer(torch.optim.SGD(model.parameters(), lr=0.1), 3, accumulation="window")
+    before = copy.deepcopy(model.state_dict())
+    opt.zero_grad()
+    for micro in range(2):
+        opt.backward(regression_losses(model, micro))
+    opt.step()  # harmonizes the window, then updates
+    assert opt.meter.steps == 1
+    assert any(not torch.equal(v, before[k]) for k, v in model.state_dict().items())
+    with pytest.raises(ValueError, match="needs accumulation='first'"):
+        mogo.HarmonizedOptimizer(
+            torch.optim.SGD(model.parameters(), lr=0.1), 3, accumulation="window", nonfinite="drop"
+        )
