@@ -86,7 +86,7 @@ def objective_grads(
         torch.stack([torch.zeros_like(p) if row[i] is None else row[i] for row in rows])
         for i, p in enumerate(params)
     ]
-    return grads, "sequential" if K > 1 else mode
+    return grads, "sequential"
 
 
 def _fill_unused(grads: Sequence[Tensor | None], params: Sequence[Tensor], K: int) -> list[Tensor]:
