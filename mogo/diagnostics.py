@@ -7,7 +7,7 @@ KKT conditions of the min-norm problem.
 
 from __future__ import annotations
 
-from dataclasses import dataclass, field
+from dataclasses import dataclass
 
 import torch
 from torch import Tensor
@@ -17,12 +17,16 @@ from mogo.weighting import Weights
 __all__ = ["ConflictMeter", "ConflictReport"]
 
 
+def _safe_divide(numerator: Tensor, denominator: Tensor) -> Tensor:
+    """``numerator / denominator``, and 0 where the denominator (a product of norms) is 0."""
+    tiny = torch.finfo(denominator.dtype).tiny
+    return torch.where(denominator > 0, numerator / denominator.clamp_min(tiny), 0.0)
+
+
 def _cosines_with(gram: Tensor, norms: Tensor, coefficients: Tensor) -> Tensor:
     """``cos(g_k, sum_j c_j g_j)`` for every k, from the Gram matrix; 0 where a norm is 0."""
     inner = gram @ coefficients
-    length = (coefficients @ inner).clamp_min(0).sqrt()
-    denominator = norms * length
-    return torch.where(denominator > 0, inner / denominator.clamp_min(torch.finfo(gram.dtype).tiny), 0.0)
+    return _safe_divide(inner, norms * (coefficients @ inner).clamp_min(0).sqrt())
 
 
 @dataclass(frozen=True)
@@ -61,8 +65,7 @@ class ConflictReport:
         gram = gram.detach().to(device="cpu", dtype=torch.float64)
         K = gram.shape[0]
         norms = gram.diagonal().clamp_min(0).sqrt()
-        outer = torch.outer(norms, norms)
-        cosines = torch.where(outer > 0, gram / outer.clamp_min(torch.finfo(gram.dtype).tiny), 0.0)
+        cosines = _safe_divide(gram, torch.outer(norms, norms))
         baseline = torch.ones(K, dtype=torch.float64) if sum_weights is None else sum_weights.double().cpu()
         loss_weights = weights.loss_weights.detach().cpu()
         return cls(
@@ -107,7 +110,6 @@ class ConflictMeter:
     conflicts: int = 0
     worst_weighted_sum_cosine: float = 1.0
     worst_harmonized_cosine: float = 1.0
-    history: list[float] = field(default_factory=list)
 
     def update(self, report: ConflictReport) -> None:
         self.steps += 1
@@ -118,7 +120,6 @@ class ConflictMeter:
         self.worst_harmonized_cosine = min(
             self.worst_harmonized_cosine, float(report.harmonized_cosines.min())
         )
-        self.history.append(float(report.weighted_sum_cosines.min()))
 
     @property
     def conflict_rate(self) -> float:

@@ -58,7 +58,6 @@ class HarmonizedOptimizer(torch.optim.Optimizer):
             gradient non-finite; ``"drop"`` then skips the step.
         sum_weights: weights of the weighted-sum baseline in the conflict diagnostics
             (equal weights by default).
-
         accumulation: with several ``backward`` calls per step, ``"first"`` solves for the
             weights on the window's first micro-batch and backpropagates them through the others,
             one pass each (the K-gradient cost is paid on one micro-batch per N steps);
