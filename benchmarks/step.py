@@ -52,7 +52,7 @@ class Encoder(torch.nn.Module):
 
 
 MODELS: dict[str, tuple[Callable[[int], torch.nn.Module], tuple[int, ...]]] = {
-    "MLP 1.1M": (mlp, (64, 512)),
+    "MLP 1.1M": (mlp, (256, 512)),
     "transformer 10M": (Encoder, (8, 32, 64)),
 }
 

