@@ -128,6 +128,6 @@ def test_products_beyond_float32_range_are_recomputed_in_float64():
 
 
 def test_gramian_is_exactly_symmetric():
-    grads = [torch.randn(6, 3000, generator=torch.Generator().manual_seed(0))]
+    grads = [torch.randn(3, 64, generator=torch.Generator().manual_seed(0))]  # b @ b.T is not, here
     G = mogo.gramian(grads)
     assert torch.equal(G, G.T)
