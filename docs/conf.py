@@ -12,7 +12,7 @@ napoleon_google_docstring = True
 nitpicky = True
 # No network at build time, hence no intersphinx: references into other projects stay plain text.
 nitpick_ignore_regex = [
-    (r"py:.*", r"(torch|np|numpy|collections\.abc)\..*"),
+    (r"py:.*", r"(torch|dist|np|numpy|collections\.abc)\..*"),
     (r"py:class", r"(Tensor|Method|Normalization|GradMode|NonFinitePolicy)"),
 ]
 exclude_patterns = ["_build", "_generated"]

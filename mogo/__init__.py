@@ -2,6 +2,7 @@
 
 from mogo.amortize import AmortizedWeights
 from mogo.diagnostics import ConflictMeter, ConflictReport
+from mogo.distributed import DataParallel, ShardedParameters, sharded_gramian
 from mogo.gram import NormalizedGram, gramian, normalize_gram
 from mogo.jacobian import objective_grads
 from mogo.optim import HarmonizedOptimizer
@@ -14,10 +15,12 @@ __all__ = [
     "AmortizedWeights",
     "ConflictMeter",
     "ConflictReport",
+    "DataParallel",
     "HarmonizedOptimizer",
     "MinNorm",
     "MinNormResult",
     "NormalizedGram",
+    "ShardedParameters",
     "SolverError",
     "WeightedSum",
     "Weighting",
@@ -26,4 +29,5 @@ __all__ = [
     "min_norm",
     "normalize_gram",
     "objective_grads",
+    "sharded_gramian",
 ]

@@ -22,6 +22,7 @@ from torch import Tensor
 
 from mogo.amortize import AmortizedWeights
 from mogo.diagnostics import ConflictMeter, ConflictReport
+from mogo.distributed import DataParallel, ShardedParameters, as_parameter_grad, local_shards
 from mogo.gram import gramian
 from mogo.jacobian import GradMode, objective_grads
 from mogo.weighting import MinNorm, Weighting, Weights
@@ -63,6 +64,9 @@ class HarmonizedOptimizer(torch.optim.Optimizer):
             one pass each (the K-gradient cost is paid on one micro-batch per N steps);
             ``"window"`` keeps K gradient buffers over the window and solves on their sums at the
             boundary (:meth:`harmonize`, called by ``step``).
+        distributed: across processes, :class:`mogo.DataParallel` (DDP or a replicated model)
+            or :class:`mogo.ShardedParameters`; every rank then solves the same QP and takes the
+            same non-finite decision.
     """
 
     def __init__(
@@ -78,6 +82,7 @@ class HarmonizedOptimizer(torch.optim.Optimizer):
         nonfinite: NonFinitePolicy = "raise",
         sum_weights: Sequence[float] | None = None,
         accumulation: Literal["first", "window"] = "first",
+        distributed: DataParallel | ShardedParameters | None = None,
     ) -> None:
         if not isinstance(optimizer, torch.optim.Optimizer):
             raise TypeError(f"optimizer must be a torch.optim.Optimizer, got {type(optimizer).__name__}")
@@ -114,10 +119,13 @@ class HarmonizedOptimizer(torch.optim.Optimizer):
         self.last_report: ConflictReport | None = None
         self.meter = ConflictMeter()
         self._skip_step = False
+        self._dropped = False  # an amortized backward left out a non-finite objective
         self._window_weights: Tensor | None = None  # weights solved in this step's window
         self.accumulation = accumulation
         self._buffers: list[Tensor] | None = None  # the window's summed K gradients ("window")
         self._buffered_losses: Tensor | None = None
+        self.distributed = distributed
+        self._begin_window()
         self._optimizer_step_pre_hooks: OrderedDict = OrderedDict()
         self._optimizer_step_post_hooks: OrderedDict = OrderedDict()
         self._optimizer_state_dict_pre_hooks: OrderedDict = OrderedDict()
@@ -169,9 +177,14 @@ class HarmonizedOptimizer(torch.optim.Optimizer):
         if shared is not None and shared.numel() != 1:
             raise ValueError(f"shared must be a scalar loss, got shape {tuple(shared.shape)}")
         if self._skip_step:
+            self._release_reducer(losses)
             return
-        active = self._finite_objectives(losses.detach(), "loss")
+        values = (
+            losses.detach() if self.distributed is None else self.distributed.agree_finite(losses.detach())
+        )
+        active = self._finite_objectives(values, "loss")
         if active is None:
+            self._release_reducer(losses)
             self._mark_skipped()
             return
         if self.amortizer.due and self.accumulation == "window":
@@ -185,6 +198,14 @@ class HarmonizedOptimizer(torch.optim.Optimizer):
             weights = weights.to(device=losses.device, dtype=losses.dtype)
             total = (weights[active] * losses[active]).sum()
             (total if shared is None else total + shared.reshape(())).backward()
+            self._dropped = self._dropped or not bool(active.all())
+            if self.distributed is not None:
+                self.distributed.note_local_backward()
+
+    def _release_reducer(self, losses: Tensor) -> None:
+        """Run the backward a DDP reducer waits for, contributing nothing, on a skipped step."""
+        if self.distributed is not None and self.distributed.expects_backward():
+            (losses.sum() * 0).backward()
 
     def _finite_objectives(self, values: Tensor, what: str) -> Tensor | None:
         """The mask of objectives to keep, or None when the step is skipped; raises on "raise"."""
@@ -213,8 +234,11 @@ class HarmonizedOptimizer(torch.optim.Optimizer):
         rows = losses[active]
         if shared is not None:
             rows = torch.cat([rows, shared.reshape(1).to(rows.dtype)])
-        grads, self.grad_mode = objective_grads(rows, self._trainable(), mode=self.grad_mode)
-        return grads
+        params = self._trainable()
+        grads, self.grad_mode = objective_grads(rows, params, mode=self.grad_mode)
+        if self.distributed is None:
+            return grads
+        return self.distributed.reduce_grads([local_shards(g, p) for g, p in zip(grads, params, strict=True)])
 
     def _harmonize(self, losses: Tensor, shared: Tensor | None, active: Tensor) -> None:
         """Harmonize on this micro-batch and write the update (``accumulation="first"``)."""
@@ -223,6 +247,8 @@ class HarmonizedOptimizer(torch.optim.Optimizer):
         if shared is not None:
             self._add_to_grads([g[n] for g in grads])
         self._apply([g[:n] for g in grads], active, losses.detach()[active])
+        if self.distributed is not None:
+            self.distributed.after_harmonize()
 
     def _accumulate(self, losses: Tensor, shared: Tensor | None) -> None:
         """Add this micro-batch's K gradients to the window's buffers (``accumulation="window"``)."""
@@ -240,6 +266,7 @@ class HarmonizedOptimizer(torch.optim.Optimizer):
         """Add ``updates`` to ``.grad``; ``owned`` updates are fresh tensors ``.grad`` may keep."""
         with torch.no_grad():
             for p, update in zip(self._trainable(), updates, strict=True):
+                update = as_parameter_grad(update, p)
                 if p.grad is None:
                     p.grad = update if owned else update.clone()
                 else:
@@ -249,7 +276,8 @@ class HarmonizedOptimizer(torch.optim.Optimizer):
         """Solve the weighting on the gradients ``rows`` (one ``[A, *p.shape]`` per parameter, for
         the ``A`` active objectives) and add ``sum_k w_k g_k`` to ``.grad``."""
         params = self._trainable()
-        gram = gramian([g for g, p in zip(rows, params, strict=True) if id(p) in self._harmonized])
+        harmonized = [g for g, p in zip(rows, params, strict=True) if id(p) in self._harmonized]
+        gram = gramian(harmonized) if self.distributed is None else self.distributed.gram(harmonized)
         if not bool(torch.isfinite(gram).all()):
             finite_rows = torch.isfinite(gram).all(dim=1).cpu()
             values = torch.zeros(len(self.objectives), dtype=torch.float64)  # NaN marks a bad gradient
@@ -305,18 +333,32 @@ class HarmonizedOptimizer(torch.optim.Optimizer):
                 losses = closure()
                 self.backward(losses)
         self.harmonize()
+        if self.distributed is not None and not self._skip_step:
+            self.distributed.finish(self._trainable())
+        if self._dropped and not self._skip_step and not self._grads_finite():
+            self._mark_skipped()  # the dropped objective's NaN reached the shared graph
         skipped, self._skip_step, self._window_weights = self._skip_step, False, None
-        if skipped:
-            return losses
-        self.optimizer.step()
-        self.amortizer.step += 1
+        self._dropped = False
+        if not skipped:
+            self.optimizer.step()
+            self.amortizer.step += 1
+        self._begin_window()
         return losses
+
+    def _grads_finite(self) -> bool:
+        return all(bool(torch.isfinite(p.grad).all()) for p in self._trainable() if p.grad is not None)
+
+    def _begin_window(self) -> None:
+        """Tell the distributed layout whether the next step's first forward harmonizes."""
+        if self.distributed is not None:
+            self.distributed.begin_window(self.amortizer.due and self._window_weights is None)
 
     def zero_grad(self, set_to_none: bool = True) -> None:
         """Zero the gradients and open a new window (its first ``backward`` may harmonize)."""
         self.optimizer.zero_grad(set_to_none=set_to_none)
-        self._skip_step, self._window_weights = False, None
+        self._skip_step, self._window_weights, self._dropped = False, None, False
         self._buffers = self._buffered_losses = None
+        self._begin_window()
 
     def state_dict(self) -> dict[str, Any]:
         """``{"inner": wrapped optimizer's state_dict, "mogo": schedule, weights, statistics}``."""
@@ -360,11 +402,13 @@ class HarmonizedOptimizer(torch.optim.Optimizer):
         self.amortizer = amortizer
         self.grad_mode = mine["grad_mode"]
         self.meter = ConflictMeter(**mine["meter"])
+        self._begin_window()
         for hook in self._optimizer_load_state_dict_post_hooks.values():
             hook(self)
 
     def __getstate__(self) -> dict[str, Any]:
-        return dict(self.__dict__)
+        """Everything but the distributed layout, whose process group and module stay behind."""
+        return {**self.__dict__, "distributed": None}
 
     def __setstate__(self, state: dict[str, Any]) -> None:
         self.__dict__.update(state)

@@ -199,15 +199,21 @@ def test_non_finite_losses_follow_the_policy(policy):
         assert any(not torch.equal(value, params[name]) for name, value in model.state_dict().items())
 
 
-def test_drop_skips_the_step_when_the_nan_reached_every_gradient():
-    model, opt = adam_factory(harmonize_every=1)()
+@pytest.mark.parametrize("harmonizing", [True, False], ids=["harmonization step", "amortized step"])
+def test_drop_skips_the_step_when_the_nan_reached_every_gradient(harmonizing):
+    model, opt = adam_factory(harmonize_every=1 if harmonizing else 2)()
+    if not harmonizing:
+        run(None, 1, start=(model, opt))
     opt.nonfinite = "drop"
     params = copy.deepcopy(model.state_dict())
+    inner = copy.deepcopy(opt.optimizer.state_dict())
     losses = regression_losses(model, 0)
+    opt.zero_grad()
     opt.backward(torch.stack([losses[0], losses[1] * float("nan"), losses[2]]))
     opt.step()
     for name, value in model.state_dict().items():
         assert torch.equal(value, params[name])
+    assert str(opt.optimizer.state_dict()) == str(inner)
 
 
 def test_harmonizing_a_parameter_subset_gives_the_rest_the_weighted_gradient():

@@ -1,0 +1,212 @@
+"""One rank of the multi-process tests, started by ``torchrun`` or ``accelerate launch``.
+
+    torchrun --nproc_per_node 2 tests/distributed_worker.py OUT_DIR [--accelerate]
+
+Each rank trains on its half of a fixed batch and saves what it saw (alpha per step, final
+parameters, non-finite outcomes, sharded Gram matrices) to ``OUT_DIR/rank{r}.pt``; the tests
+compare the ranks with each other and with one process on the full batch
+(:func:`train_single`).
+"""
+
+from __future__ import annotations
+
+import sys
+from pathlib import Path
+
+import torch
+import torch.distributed as dist
+
+import mogo
+
+K, BATCH, STEPS = 3, 16, 5
+
+
+def build(seed: int = 0) -> torch.nn.Module:
+    torch.manual_seed(seed)
+    return torch.nn.Sequential(torch.nn.Linear(6, 16), torch.nn.Tanh(), torch.nn.Linear(16, K))
+
+
+def data(step: int) -> tuple[torch.Tensor, torch.Tensor]:
+    generator = torch.Generator().manual_seed(100 + step)
+    x = torch.randn(BATCH, 6, generator=generator, dtype=torch.float64)
+    # Objective 2 pulls against the others, so alpha is not trivial.
+    y = torch.stack([x[:, 0], x[:, 1] + x[:, 0], -x[:, 0]], dim=1)
+    return x, y
+
+
+def losses_of(model: torch.nn.Module, x: torch.Tensor, y: torch.Tensor) -> torch.Tensor:
+    return ((model(x) - y) ** 2).mean(0)
+
+
+def make_optimizer(model, every, distributed=None, nonfinite="raise") -> mogo.HarmonizedOptimizer:
+    inner = torch.optim.Adam(model.parameters(), lr=0.05)
+    return mogo.HarmonizedOptimizer(
+        inner, K, harmonize_every=every, alpha_ema=0.5, distributed=distributed, nonfinite=nonfinite
+    )
+
+
+def train(model, opt, rank=0, world=1, nan_at=None, spread=False) -> dict:
+    """STEPS steps on this rank's slice of the batch; NaN in objective 1 on the last rank at
+    step ``nan_at`` (``spread``: into the shared graph too). Returns alpha and parameters after
+    each step, and what raised."""
+    alphas, params, raised = [], [], None
+    # accelerate's wrapper holds ours as .optimizer
+    harmonized = opt if isinstance(opt, mogo.HarmonizedOptimizer) else opt.optimizer
+    for step in range(STEPS):
+        x, y = data(step)
+        x, y = x.chunk(world)[rank], y.chunk(world)[rank]
+        opt.zero_grad()
+        losses = losses_of(model, x, y)
+        if step == nan_at and rank == world - 1:
+            nan = torch.tensor([False, True, False])
+            # torch.where keeps the NaN out of the gradients; a product spreads it into all of them
+            losses = (
+                losses * torch.where(nan, float("nan"), 1.0)
+                if spread
+                else torch.where(nan, float("nan"), losses)
+            )
+        try:
+            harmonized.backward(losses)
+        except FloatingPointError as error:
+            raised = str(error)
+            break
+        opt.step()
+        alphas.append(harmonized.amortizer.alpha.clone())
+        params.append(torch.cat([p.detach().reshape(-1) for p in model.parameters()]))
+    return {"alphas": alphas, "params": params, "raised": raised}
+
+
+def train_single(every: int) -> dict:
+    model = build().double()
+    return train(model, make_optimizer(model, every))
+
+
+def ddp_runs(rank: int, world: int) -> dict:
+    results = {}
+    for every in (1, 3):
+        model = torch.nn.parallel.DistributedDataParallel(build().double())
+        results[f"ddp_every{every}"] = train(
+            model, make_optimizer(model, every, mogo.DataParallel(model)), rank, world
+        )
+        model = build().double()
+        results[f"unwrapped_every{every}"] = train(
+            model, make_optimizer(model, every, mogo.DataParallel()), rank, world
+        )
+    for policy in ("raise", "skip", "drop"):
+        for nan_at in (1, 2):  # with N=2: an amortized step, then a harmonization step
+            model = torch.nn.parallel.DistributedDataParallel(build().double())
+            opt = make_optimizer(model, 2, mogo.DataParallel(model), nonfinite=policy)
+            results[f"nan_{policy}_{nan_at}"] = train(model, opt, rank, world, nan_at=nan_at)
+    for nan_at in (1, 2):
+        model = torch.nn.parallel.DistributedDataParallel(build().double())
+        opt = make_optimizer(model, 2, mogo.DataParallel(model), nonfinite="drop")
+        results[f"nan_spread_{nan_at}"] = train(model, opt, rank, world, nan_at=nan_at, spread=True)
+    return results
+
+
+class _ReduceForward(torch.autograd.Function):
+    """Sum over ranks in the forward, identity in the backward: each rank's shard of ``w``
+    receives its part of the gradient of the one full-model loss (tensor parallelism)."""
+
+    @staticmethod
+    def forward(ctx, partial: torch.Tensor) -> torch.Tensor:
+        total = partial.clone()
+        dist.all_reduce(total)
+        return total
+
+    @staticmethod
+    def backward(ctx, grad: torch.Tensor) -> torch.Tensor:
+        return grad
+
+
+def tensor_parallel_problem() -> tuple[torch.Tensor, ...]:
+    """``losses_k = mean(((x @ w @ mix)_k - y_k)^2)``; ``mix`` couples the objectives."""
+    generator = torch.Generator().manual_seed(7)
+    x = torch.randn(BATCH, 8, generator=generator, dtype=torch.float64)
+    w = torch.randn(8, 4, generator=generator, dtype=torch.float64)
+    mix = torch.randn(4, K, generator=generator, dtype=torch.float64)
+    y = torch.randn(BATCH, K, generator=generator, dtype=torch.float64)
+    return x, w, mix, y
+
+
+def train_tensor_parallel(rank: int = 0, world: int = 1) -> dict:
+    """Three harmonized SGD steps on ``w``, split by rows across the ranks (whole when world=1)."""
+    x, w_full, mix, y = tensor_parallel_problem()
+    w = torch.nn.Parameter(w_full.chunk(world)[rank].clone())
+    distributed = mogo.ShardedParameters() if world > 1 else None
+    opt = mogo.HarmonizedOptimizer(torch.optim.SGD([w], lr=0.1), K, distributed=distributed)
+    alphas = []
+    for _ in range(3):
+        opt.zero_grad()
+        partial = x.chunk(world, dim=1)[rank] @ w
+        prediction = (_ReduceForward.apply(partial) if world > 1 else partial) @ mix
+        opt.backward(((prediction - y) ** 2).mean(0))
+        opt.step()
+        alphas.append(opt.amortizer.alpha.clone())
+    return {"alphas": alphas, "w": w.detach().clone()}
+
+
+def train_dtensor() -> dict:
+    """``train_tensor_parallel`` with ``w`` a DTensor sharded by rows over a 1-D CPU mesh."""
+    from torch.distributed.device_mesh import init_device_mesh
+    from torch.distributed.tensor import Replicate, Shard, distribute_tensor
+
+    mesh = init_device_mesh("cpu", (dist.get_world_size(),))
+    x, w_full, mix, y = tensor_parallel_problem()
+    w = torch.nn.Parameter(distribute_tensor(w_full.clone(), mesh, [Shard(0)]))
+    x = distribute_tensor(x, mesh, [Replicate()])
+    opt = mogo.HarmonizedOptimizer(torch.optim.SGD([w], lr=0.1), K, distributed=mogo.ShardedParameters())
+    alphas = []
+    for _ in range(3):
+        opt.zero_grad()
+        prediction = (x @ w).full_tensor() @ mix
+        opt.backward(((prediction - y) ** 2).mean(0))
+        opt.step()
+        alphas.append(opt.amortizer.alpha.clone())
+    return {"alphas": alphas, "w": w.detach().full_tensor(), "grad_type": type(w.grad).__name__}
+
+
+def sharded_runs(rank: int, world: int) -> dict:
+    generator = torch.Generator().manual_seed(7)
+    grads = [torch.randn(K, 10, 4, generator=generator, dtype=torch.float64)]
+    grads.append(torch.randn(K, 6, generator=generator, dtype=torch.float64))
+    shards = [g.chunk(world, dim=1)[rank] for g in grads]
+    return {
+        "sharded_gram": mogo.sharded_gramian(shards),
+        "full_gram": mogo.gramian(grads, dtype=torch.float64),
+        "tensor_parallel": train_tensor_parallel(rank, world),
+        "dtensor": train_dtensor(),
+    }
+
+
+def accelerate_runs() -> dict:
+    from accelerate import Accelerator
+
+    accelerator = Accelerator(cpu=True)
+    results = {}
+    for every in (1, 3):
+        model = accelerator.prepare(build().double())
+        opt = accelerator.prepare(make_optimizer(model, every, mogo.DataParallel(model)))
+        results[f"accelerate_every{every}"] = train(
+            model, opt, accelerator.process_index, accelerator.num_processes
+        )
+    return results
+
+
+def main(out: Path, use_accelerate: bool) -> None:
+    if use_accelerate:
+        results = accelerate_runs()
+    else:
+        dist.init_process_group("gloo")
+        results = {
+            **ddp_runs(dist.get_rank(), dist.get_world_size()),
+            **sharded_runs(dist.get_rank(), dist.get_world_size()),
+        }
+    rank = dist.get_rank()
+    torch.save(results, out / f"rank{rank}.pt")
+    dist.destroy_process_group()
+
+
+if __name__ == "__main__":
+    torch.set_num_threads(1)
+    main(Path(sys.argv[1]), "--accelerate" in sys.argv[2:])

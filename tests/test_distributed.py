@@ -1,0 +1,147 @@
+"""Harmonization across two real gloo processes, launched by torchrun and by accelerate launch.
+
+Each launch runs every case of ``tests/distributed_worker.py`` once; the tests read what the
+ranks saved and compare them with each other and with one process on the full batch.
+"""
+
+from __future__ import annotations
+
+import os
+import signal
+import socket
+import subprocess
+import sys
+from pathlib import Path
+
+import pytest
+import torch
+
+import mogo
+from tests import distributed_worker as worker
+
+WORKER = Path(worker.__file__)
+TIMEOUT_S = 240
+
+
+def launch(command: list[str], out: Path) -> list[dict]:
+    """Run a two-process launch with a deadline (a hang fails the test, it does not stall CI)
+    and load what each rank saved."""
+    env = {**os.environ, "OMP_NUM_THREADS": "1", "PYTHONPATH": str(WORKER.parents[1])}
+    process = subprocess.Popen(
+        [*command, str(WORKER), str(out), *([] if "torch.distributed.run" in command else ["--accelerate"])],
+        stdout=subprocess.PIPE, stderr=subprocess.STDOUT, text=True, env=env, start_new_session=True,
+    )  # fmt: skip
+    try:
+        output, _ = process.communicate(timeout=TIMEOUT_S)
+    except subprocess.TimeoutExpired:
+        os.killpg(process.pid, signal.SIGKILL)
+        pytest.fail(f"the two-process run did not finish in {TIMEOUT_S} s: {' '.join(command)}")
+    assert process.returncode == 0, output[-4000:]
+    return [torch.load(out / f"rank{rank}.pt", weights_only=True) for rank in range(2)]
+
+
+def free_port() -> int:
+    with socket.socket() as sock:
+        sock.bind(("127.0.0.1", 0))
+        return sock.getsockname()[1]
+
+
+@pytest.fixture(scope="module")
+def torchrun(tmp_path_factory) -> list[dict]:
+    command = [sys.executable, "-m", "torch.distributed.run", "--standalone", "--nproc_per_node", "2"]
+    return launch(command, tmp_path_factory.mktemp("torchrun"))
+
+
+@pytest.fixture(scope="module")
+def accelerate_launch(tmp_path_factory) -> list[dict]:
+    command = [
+        sys.executable, "-m", "accelerate.commands.launch", "--multi_gpu", "--num_processes", "2",
+        "--num_machines", "1", "--mixed_precision", "no", "--dynamo_backend", "no",
+        "--main_process_port", str(free_port()),
+    ]  # fmt: skip
+    return launch(command, tmp_path_factory.mktemp("accelerate"))
+
+
+def assert_matches_one_process(run: dict, every: int) -> None:
+    reference = worker.train_single(every)
+    assert len(run["params"]) == len(reference["params"]) == worker.STEPS
+    for ours, theirs in zip(run["alphas"], reference["alphas"], strict=True):
+        torch.testing.assert_close(ours, theirs, rtol=0, atol=1e-6)
+    for ours, theirs in zip(run["params"], reference["params"], strict=True):
+        torch.testing.assert_close(ours, theirs, rtol=0, atol=1e-6)
+
+
+@pytest.mark.parametrize("every", [1, 3])
+@pytest.mark.parametrize("layout", ["ddp", "unwrapped"])
+def test_two_ranks_on_half_batches_match_one_process_on_the_full_batch(torchrun, layout, every):
+    for rank in torchrun:
+        assert_matches_one_process(rank[f"{layout}_every{every}"], every)
+
+
+@pytest.mark.parametrize("every", [1, 3])
+def test_accelerate_launch_matches_one_process(accelerate_launch, every):
+    for rank in accelerate_launch:
+        assert_matches_one_process(rank[f"accelerate_every{every}"], every)
+
+
+def same_finite_steps(first: dict, second: dict) -> None:
+    assert first["raised"] is None
+    assert second["raised"] is None
+    assert len(first["params"]) == len(second["params"]) == worker.STEPS
+    for a, b in zip(first["params"], second["params"], strict=True):
+        assert torch.equal(a, b)
+        assert bool(torch.isfinite(a).all())
+
+
+@pytest.mark.parametrize("nan_at", [1, 2], ids=["amortized step", "harmonization step"])
+@pytest.mark.parametrize("policy", ["raise", "skip", "drop"])
+def test_a_nan_on_one_rank_leads_both_ranks_to_the_same_outcome(torchrun, policy, nan_at):
+    first, second = (rank[f"nan_{policy}_{nan_at}"] for rank in torchrun)
+    if policy == "raise":
+        for run in (first, second):  # both raise, naming the objective, though only rank 1 saw it
+            assert "objective_1" in run["raised"]
+            assert len(run["params"]) == nan_at
+        return
+    same_finite_steps(first, second)
+    changed = not torch.equal(first["params"][nan_at], first["params"][nan_at - 1])
+    assert changed == (policy == "drop")  # "skip" leaves the parameters as they were
+
+
+@pytest.mark.parametrize("nan_at", [1, 2], ids=["amortized step", "harmonization step"])
+def test_a_nan_that_spread_into_every_gradient_skips_the_step_on_both_ranks(torchrun, nan_at):
+    first, second = (rank[f"nan_spread_{nan_at}"] for rank in torchrun)
+    same_finite_steps(first, second)
+    assert torch.equal(first["params"][nan_at], first["params"][nan_at - 1])
+
+
+def test_sharded_gramian_equals_the_unsharded_one(torchrun):
+    for rank in torchrun:
+        torch.testing.assert_close(rank["sharded_gram"], rank["full_gram"], rtol=0, atol=1e-12)
+
+
+def test_tensor_parallel_harmonization_matches_the_unsharded_model(torchrun):
+    reference = worker.train_tensor_parallel()
+    shards = [rank["tensor_parallel"] for rank in torchrun]
+    for rank in shards:
+        for ours, theirs in zip(rank["alphas"], reference["alphas"], strict=True):
+            torch.testing.assert_close(ours, theirs, rtol=0, atol=1e-12)
+    uniform = torch.full((worker.K,), 1 / worker.K, dtype=torch.float64)
+    assert not torch.allclose(reference["alphas"][-1], uniform)  # the objectives do conflict
+    torch.testing.assert_close(torch.cat([rank["w"] for rank in shards]), reference["w"], rtol=0, atol=1e-12)
+
+
+def test_dtensor_parameters_harmonize_shard_wise_like_the_unsharded_model(torchrun):
+    reference = worker.train_tensor_parallel()
+    for rank in torchrun:
+        run = rank["dtensor"]
+        assert run["grad_type"] == "DTensor"
+        for ours, theirs in zip(run["alphas"], reference["alphas"], strict=True):
+            torch.testing.assert_close(ours, theirs, rtol=0, atol=1e-12)
+        torch.testing.assert_close(run["w"], reference["w"], rtol=0, atol=1e-12)
+
+
+def test_the_layouts_need_a_process_group():
+    with pytest.raises(RuntimeError, match="init_process_group"):
+        mogo.DataParallel()
+    with pytest.raises(RuntimeError, match="init_process_group"):
+        mogo.ShardedParameters()
