@@ -120,6 +120,7 @@ class HarmonizedOptimizer(torch.optim.Optimizer):
         self.meter = ConflictMeter()
         self._skip_step = False
         self._dropped = False  # an amortized backward left out a non-finite objective
+        self._workspace: list[Tensor] | None = None  # sequential K gradients, reused across steps
         self._window_weights: Tensor | None = None  # weights solved in this step's window
         self.accumulation = accumulation
         self._buffers: list[Tensor] | None = None  # the window's summed K gradients ("window")
@@ -229,20 +230,30 @@ class HarmonizedOptimizer(torch.optim.Optimizer):
         for p in self._trainable():
             p.grad = torch.full_like(p, float("nan"))
 
-    def _objective_grads(self, losses: Tensor, shared: Tensor | None, active: Tensor) -> list[Tensor]:
-        """Stacked gradients of the active losses (rows) and of ``shared`` (a last row, if given)."""
+    def _objective_grads(
+        self, losses: Tensor, shared: Tensor | None, active: Tensor, *, reuse: bool = False
+    ) -> list[Tensor]:
+        """Stacked gradients of the active losses (rows) and of ``shared`` (a last row, if given);
+        ``reuse``: in the optimizer's workspace, kept between harmonizations, which the result
+        must not outlive."""
         rows = losses[active]
         if shared is not None:
             rows = torch.cat([rows, shared.reshape(1).to(rows.dtype)])
         params = self._trainable()
-        grads, self.grad_mode = objective_grads(rows, params, mode=self.grad_mode)
+        out = None
+        if reuse:
+            shapes = [(rows.shape[0], *p.shape) for p in params]
+            if self._workspace is None or [b.shape for b in self._workspace] != shapes:
+                self._workspace = [p.new_empty(shape) for p, shape in zip(params, shapes, strict=True)]
+            out = self._workspace
+        grads, self.grad_mode = objective_grads(rows, params, mode=self.grad_mode, out=out)
         if self.distributed is None:
             return grads
         return self.distributed.reduce_grads([local_shards(g, p) for g, p in zip(grads, params, strict=True)])
 
     def _harmonize(self, losses: Tensor, shared: Tensor | None, active: Tensor) -> None:
         """Harmonize on this micro-batch and write the update (``accumulation="first"``)."""
-        grads = self._objective_grads(losses, shared, active)
+        grads = self._objective_grads(losses, shared, active, reuse=True)
         n = int(active.sum())
         if shared is not None:
             self._add_to_grads([g[n] for g in grads])
@@ -407,8 +418,9 @@ class HarmonizedOptimizer(torch.optim.Optimizer):
             hook(self)
 
     def __getstate__(self) -> dict[str, Any]:
-        """Everything but the distributed layout, whose process group and module stay behind."""
-        return {**self.__dict__, "distributed": None}
+        """Everything but the distributed layout (its process group and module stay behind) and
+        the gradient workspace."""
+        return {**self.__dict__, "distributed": None, "_workspace": None}
 
     def __setstate__(self, state: dict[str, Any]) -> None:
         self.__dict__.update(state)

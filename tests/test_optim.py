@@ -344,6 +344,20 @@ def test_objective_grads_gives_zeros_to_unused_parameters_and_checks_its_input()
         mogo.objective_grads(torch.ones(2), [used])
 
 
+def test_sequential_gradients_fill_the_given_buffers():
+    model = mlp(4)
+    params = list(model.parameters())
+    losses = regression_losses(model, 0)
+    fresh, _ = mogo.objective_grads(losses, params, mode="sequential", retain_graph=True)
+    out = [torch.full((3, *p.shape), float("nan")) for p in params]
+    grads, _ = mogo.objective_grads(losses, params, mode="sequential", out=out, retain_graph=True)
+    assert all(g is b for g, b in zip(grads, out, strict=True))
+    for g, f in zip(grads, fresh, strict=True):
+        assert torch.equal(g, f)
+    with pytest.raises(ValueError, match="one \\[K, \\*p.shape\\] tensor per parameter"):
+        mogo.objective_grads(losses, params, mode="sequential", out=out[:-1])
+
+
 def test_lr_scheduler_clipping_and_hooks_work_through_the_wrapper():
     model, opt = adam_factory(harmonize_every=2)()
     scheduler = torch.optim.lr_scheduler.StepLR(opt, step_size=1, gamma=0.5)
