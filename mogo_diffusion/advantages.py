@@ -1,0 +1,170 @@
+"""Group-normalised advantages, one per reward (MARBLE) or of the weighted sum (the baseline).
+
+For rewards ``R`` (``[B, K]``, NaN where reward k does not apply to sample i) and prompt groups
+``g(i)`` (the G images of one prompt share a group):
+
+.. code-block:: text
+
+    A_ik = clamp((R_ik - mean_{j in g(i)} R_jk) / (std_k + eps), -C, C)
+
+with means and stds over the applicable samples only, ``std_k`` the population std of reward k
+over the whole batch (``std_scope="batch"``, as DiffusionNFT and Flow-GRPO) or over i's group
+(``"group"``), ``eps = 1e-4`` and ``C = adv_clip = 5``. A non-applicable reward gives a NaN
+advantage, which the NFT loss leaves out; a group with one applicable sample gets advantage 0.
+Statistics are computed in float64.
+
+>>> import torch
+>>> rewards = torch.tensor([[1.0, 0.2], [3.0, float("nan")], [2.0, 0.4], [2.0, 0.4]])
+>>> per_reward_advantages(rewards, [0, 0, 1, 1])
+tensor([[-1.4140,  0.0000],
+        [ 1.4140,     nan],
+        [ 0.0000,  0.0000],
+        [ 0.0000,  0.0000]])
+"""
+
+from __future__ import annotations
+
+from collections.abc import Hashable, Sequence
+from typing import Literal
+
+import torch
+from torch import Tensor
+
+__all__ = ["StdScope", "per_reward_advantages", "weighted_sum_advantages"]
+
+StdScope = Literal["batch", "group"]
+
+
+def _reward_name(names: Sequence[str] | None, k: int) -> str:
+    return f"reward {k}" if names is None else f"reward {names[k]!r}"
+
+
+def _check_rewards(rewards: Tensor, names: Sequence[str] | None) -> None:
+    if not isinstance(rewards, Tensor) or rewards.ndim != 2 or not rewards.is_floating_point():
+        shape = tuple(rewards.shape) if isinstance(rewards, Tensor) else type(rewards).__name__
+        raise ValueError(f"rewards must be a floating [B, K] tensor, got {shape}")
+    if names is not None and len(names) != rewards.shape[1]:
+        raise ValueError(f"names has {len(names)} entries for {rewards.shape[1]} rewards")
+    infinite = torch.isinf(rewards).any(dim=0).nonzero().flatten().tolist()
+    if infinite:
+        raise ValueError(
+            f"{_reward_name(names, infinite[0])} has infinite values; rewards must be finite or NaN"
+        )
+
+
+def _group_index(group_ids: Tensor | Sequence[Hashable], batch: int, device: torch.device) -> Tensor:
+    """Group ids (a ``[B]`` integer tensor or ``B`` hashables, e.g. prompts) as indices ``0..G-1``."""
+    if isinstance(group_ids, Tensor):
+        if group_ids.shape != (batch,) or group_ids.is_floating_point() or group_ids.is_complex():
+            raise ValueError(
+                f"group_ids must be an integer tensor of shape ({batch},), "
+                f"got {group_ids.dtype} {tuple(group_ids.shape)}"
+            )
+        return torch.unique(group_ids, return_inverse=True)[1].to(device)
+    ids = list(group_ids)
+    if len(ids) != batch:
+        raise ValueError(f"group_ids has {len(ids)} entries for a batch of {batch}")
+    index: dict[Hashable, int] = {}
+    return torch.tensor([index.setdefault(i, len(index)) for i in ids], dtype=torch.long, device=device)
+
+
+def per_reward_advantages(
+    rewards: Tensor,
+    group_ids: Tensor | Sequence[Hashable],
+    *,
+    std_scope: StdScope = "batch",
+    adv_clip: float = 5.0,
+    eps: float = 1e-4,
+    names: Sequence[str] | None = None,
+) -> Tensor:
+    """Per-reward group-normalised advantages.
+
+    Args:
+        rewards: ``[B, K]`` floating, NaN where a reward does not apply; finite otherwise.
+        group_ids: ``[B]`` integer tensor, or B hashables (e.g. the prompts); samples of one
+            prompt share an id.
+        std_scope: ``"batch"`` (the std of reward k over all its applicable samples) or ``"group"``.
+        adv_clip: ``C`` > 0, the advantages are clipped to ``[-C, C]`` (``inf`` disables it).
+        eps: > 0, added to the std.
+        names: the rewards' names, for error messages.
+
+    Returns:
+        ``[B, K]`` advantages in ``rewards``' dtype and device, NaN exactly where ``rewards`` is.
+
+    Raises:
+        ValueError: bad shapes or options, or an infinite reward (named).
+    """
+    _check_rewards(rewards, names)
+    if std_scope not in ("batch", "group"):
+        raise ValueError(f"std_scope must be 'batch' or 'group', got {std_scope!r}")
+    if not adv_clip > 0:
+        raise ValueError(f"adv_clip must be > 0, got {adv_clip!r}")
+    if not 0 < eps < float("inf"):
+        raise ValueError(f"eps must be a finite number > 0, got {eps!r}")
+    B, K = rewards.shape
+    group = _group_index(group_ids, B, rewards.device)
+    G = int(group.max()) + 1 if B else 0
+    R = rewards.detach().to(torch.float64)
+    valid = ~torch.isnan(R)
+    x = torch.where(valid, R, 0.0)
+
+    def group_mean(values: Tensor, count: Tensor) -> Tensor:
+        return R.new_zeros(G, K).index_add_(0, group, values) / count.clamp_min(1)
+
+    count = R.new_zeros(G, K).index_add_(0, group, valid.to(R.dtype))
+    centred = torch.where(valid, R - group_mean(x, count)[group], 0.0)
+    if std_scope == "batch":
+        n = valid.sum(dim=0).clamp_min(1)
+        deviation = torch.where(valid, R - x.sum(dim=0) / n, 0.0)
+        std = (deviation.square().sum(dim=0) / n).sqrt()
+    else:
+        std = group_mean(centred.square(), count).sqrt()[group]
+    advantages = (centred / (std + eps)).clamp(-adv_clip, adv_clip)
+    return torch.where(valid, advantages, float("nan")).to(rewards.dtype)
+
+
+def weighted_sum_advantages(
+    rewards: Tensor,
+    weights: Tensor | Sequence[float],
+    group_ids: Tensor | Sequence[Hashable],
+    *,
+    nan: Literal["zero", "raise"] = "zero",
+    std_scope: StdScope = "batch",
+    adv_clip: float = 5.0,
+    eps: float = 1e-4,
+    names: Sequence[str] | None = None,
+) -> Tensor:
+    """The baseline's one advantage per sample: the normalisation above applied to ``sum_k w_k R_k``.
+
+    This is how DiffusionNFT and Flow-GRPO train on several rewards. A NaN reward counts as 0 in
+    the sum (``nan="zero"``, TRL's ``nansum``): when applicability is a property of the prompt, that
+    constant cancels in the group mean and only the batch std sees it. ``nan="raise"`` raises
+    instead, naming the reward and the samples.
+
+    Args:
+        rewards: ``[B, K]`` as in :func:`per_reward_advantages`.
+        weights: ``[K]`` finite weights.
+        group_ids, std_scope, adv_clip, eps, names: as in :func:`per_reward_advantages`.
+
+    Returns:
+        ``[B]`` advantages in ``rewards``' dtype and device (no NaN).
+    """
+    _check_rewards(rewards, names)
+    if nan not in ("zero", "raise"):
+        raise ValueError(f"nan must be 'zero' or 'raise', got {nan!r}")
+    w = torch.as_tensor(weights, dtype=torch.float64, device=rewards.device)
+    if w.shape != (rewards.shape[1],) or not bool(torch.isfinite(w).all()):
+        raise ValueError(f"weights must be {rewards.shape[1]} finite numbers, got {w.tolist()}")
+    missing = torch.isnan(rewards)
+    if nan == "raise" and bool(missing.any()):
+        k = int(missing.any(dim=0).nonzero()[0])
+        samples = missing[:, k].nonzero().flatten().tolist()
+        raise ValueError(
+            f"{_reward_name(names, k)} is NaN (not applicable) for samples {samples}; "
+            "a weighted sum needs every reward, or nan='zero' to count it as 0"
+        )
+    total = torch.where(missing, 0.0, rewards.detach().to(torch.float64)) @ w
+    advantages = per_reward_advantages(
+        total[:, None], group_ids, std_scope=std_scope, adv_clip=adv_clip, eps=eps
+    )
+    return advantages[:, 0].to(rewards.dtype)

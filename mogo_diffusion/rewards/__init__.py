@@ -1,0 +1,26 @@
+"""Rewards: the protocol, a registry, rule-based rewards and :class:`MultiReward`.
+
+Registered names: ``jpeg_compressibility``, ``sharpness``, ``color_match``.
+"""
+
+from mogo_diffusion.rewards.base import Reward, check_batch, check_scores, to_uint8
+from mogo_diffusion.rewards.multi import MultiReward, RewardScores
+from mogo_diffusion.rewards.registry import available_rewards, make_reward, register_reward, reward_factory
+from mogo_diffusion.rewards.rules import PALETTE, ColorMatch, JpegCompressibility, Sharpness
+
+__all__ = [
+    "PALETTE",
+    "ColorMatch",
+    "JpegCompressibility",
+    "MultiReward",
+    "Reward",
+    "RewardScores",
+    "Sharpness",
+    "available_rewards",
+    "check_batch",
+    "check_scores",
+    "make_reward",
+    "register_reward",
+    "reward_factory",
+    "to_uint8",
+]
