@@ -22,7 +22,6 @@ memory is the growth of the peak resident set over one step, in a fresh process 
 from __future__ import annotations
 
 import argparse
-import resource
 import statistics
 import subprocess
 import sys
@@ -167,9 +166,16 @@ def measure_peak(model_name: str, K: int, label: str) -> None:
     model = build(K)
     x, y = torch.randn(*shape), torch.randn(shape[0], K)
     step, _ = strategies(model, x, y, K)[label]
-    before = resource.getrusage(resource.RUSAGE_SELF).ru_maxrss
+    before = peak_resident_bytes()
     step()
-    print((resource.getrusage(resource.RUSAGE_SELF).ru_maxrss - before) * 1024)  # kilobytes on Linux
+    print(peak_resident_bytes() - before)
+
+
+def peak_resident_bytes() -> int:
+    """This process's peak resident set (VmHWM; ru_maxrss would carry the parent's across exec)."""
+    with open("/proc/self/status") as status:
+        line = next(line for line in status if line.startswith("VmHWM:"))
+    return int(line.split()[1]) * 1024
 
 
 def main(argv: list[str] | None = None) -> None:
