@@ -1,0 +1,573 @@
+"""Stable Diffusion 3 / 3.5 models: loading, a tiny offline builder, prompt encoding and LoRA adapters.
+
+Loading. :func:`load_pipeline` and :func:`load_component` take a hub id (``"org/name"``) or a local
+directory laid out by ``save_pretrained``. Weights are read from safetensors files only (pickled
+``.bin`` checkpoints are refused). ``local_files_only=None`` follows ``HF_HUB_OFFLINE``.
+
+Tiny models. :func:`tiny_sd3` builds a complete :class:`~diffusers.StableDiffusion3Pipeline` from
+configs with seeded random weights and tokenizers built in memory (:mod:`mogo_diffusion.tokenizers`):
+no file is read. It saves with ``save_pretrained`` and loads back through :func:`load_pipeline`.
+
+LoRA. DiffusionNFT evaluates one transformer three ways: the trained adapter (``"default"``), the
+old sampling adapter (``"old"``, an EMA of the trained one) and the base model (adapters disabled,
+the KL reference). :func:`add_lora` adds both adapters on :data:`LORA_TARGETS`; :func:`adapter` and
+:func:`reference` select what a forward uses; :func:`ema_update` moves the old adapter,
+
+.. code-block:: text
+
+    theta_old <- decay * theta_old + (1 - decay) * theta
+
+and :func:`save_lora` writes an adapter in the diffusers format, which
+``StableDiffusion3Pipeline.load_lora_weights(directory)`` loads into any pipeline.
+"""
+
+from __future__ import annotations
+
+import os
+import re
+import warnings
+from collections.abc import Iterator, Sequence
+from contextlib import AbstractContextManager, contextmanager
+from pathlib import Path
+from typing import Any
+
+import diffusers
+import torch
+import transformers
+from diffusers import (
+    AutoencoderKL,
+    FlowMatchEulerDiscreteScheduler,
+    SD3Transformer2DModel,
+    StableDiffusion3Pipeline,
+)
+from huggingface_hub import constants as hub_constants
+from packaging.version import Version
+from peft import LoraConfig
+from peft.tuners.lora import LoraLayer
+from peft.utils import get_peft_model_state_dict
+from torch import Tensor, nn
+from transformers import (
+    CLIPTextConfig,
+    CLIPTextModelWithProjection,
+    CLIPTokenizer,
+    T5Config,
+    T5EncoderModel,
+    T5Tokenizer,
+)
+
+from mogo_diffusion.tokenizers import clip_tokenizer, t5_tokenizer
+
+__all__ = [
+    "LORA_TARGETS",
+    "OLD",
+    "TINY_PRESETS",
+    "TRAINED",
+    "adapter",
+    "add_lora",
+    "ema_update",
+    "encode_prompts",
+    "load_component",
+    "load_pipeline",
+    "lora_parameters",
+    "reference",
+    "save_lora",
+    "tiny_sd3",
+]
+
+TRAINED = "default"
+"""Name of the trained LoRA adapter."""
+OLD = "old"
+"""Name of the old (sampling) LoRA adapter."""
+LORA_TARGETS: tuple[str, ...] = (
+    "to_q",
+    "to_k",
+    "to_v",
+    "to_out.0",
+    "add_q_proj",
+    "add_k_proj",
+    "add_v_proj",
+    "to_add_out",
+)
+"""The attention projections that carry LoRA (image and text streams of every joint block)."""
+
+TINY_PRESETS: dict[str, dict[str, int]] = {
+    "smoke": {"num_layers": 2, "num_attention_heads": 2, "attention_head_dim": 32},
+    "small": {"num_layers": 4, "num_attention_heads": 4, "attention_head_dim": 32},
+}
+"""Transformer sizes of :func:`tiny_sd3`: "smoke" (0.32M parameters), "small" (2.4M)."""
+
+_COMPONENTS: dict[str, Any] = {
+    "transformer": SD3Transformer2DModel,
+    "vae": AutoencoderKL,
+    "text_encoder": CLIPTextModelWithProjection,
+    "text_encoder_2": CLIPTextModelWithProjection,
+    "text_encoder_3": T5EncoderModel,
+    "tokenizer": CLIPTokenizer,
+    "tokenizer_2": CLIPTokenizer,
+    "tokenizer_3": T5Tokenizer,
+    "scheduler": FlowMatchEulerDiscreteScheduler,
+}
+_HUB_ID = re.compile(r"[A-Za-z0-9][\w.-]*/[\w.-]+")
+# from_pretrained's dtype argument: "torch_dtype" was renamed "dtype" (deprecated in diffusers 0.42.1
+# and transformers 5, the versions checked here; older ones know only "torch_dtype").
+_DTYPE_KEYWORD = {
+    "diffusers": "dtype" if Version(diffusers.__version__) >= Version("0.42.1") else "torch_dtype",
+    "transformers": "dtype" if Version(transformers.__version__) >= Version("5") else "torch_dtype",
+}
+
+
+def _dtype_argument(cls: type, torch_dtype: torch.dtype | None) -> dict[str, torch.dtype]:
+    return {} if torch_dtype is None else {_DTYPE_KEYWORD[cls.__module__.split(".")[0]]: torch_dtype}
+
+
+# Loading ------------------------------------------------------------------------------------------
+
+
+def _resolve(model: str | os.PathLike[str], revision: str | None) -> tuple[str, bool]:
+    """``(source, is_local)``: an existing directory, or a hub id; anything else is a missing path."""
+    path = Path(model).expanduser()
+    if path.exists():
+        if not path.is_dir():
+            raise NotADirectoryError(f"model path {str(path)!r} is a file; expected a model directory")
+        if revision is not None:
+            raise ValueError(f"revision={revision!r} applies to hub ids; {str(path)!r} is a local directory")
+        return str(path), True
+    if isinstance(model, os.PathLike) or not _HUB_ID.fullmatch(str(model)):
+        raise FileNotFoundError(f"model directory {str(path)!r} does not exist (nor is it a hub id org/name)")
+    return str(model), False
+
+
+def _hub_error(model: str, offline: bool, err: OSError) -> OSError:
+    where = "the local cache (offline: HF_HUB_OFFLINE or local_files_only)" if offline else "the hub"
+    return OSError(f"could not load {model!r} from {where}: {err}")
+
+
+def load_pipeline(
+    model: str | os.PathLike[str],
+    *,
+    revision: str | None = None,
+    variant: str | None = None,
+    torch_dtype: torch.dtype | None = None,
+    local_files_only: bool | None = None,
+    **components: Any,
+) -> StableDiffusion3Pipeline:
+    """Load a :class:`~diffusers.StableDiffusion3Pipeline` from a hub id or a local directory.
+
+    Args:
+        model: a hub id ``"org/name"`` or a directory with ``model_index.json``.
+        revision: hub branch, tag or commit (hub ids only).
+        variant: weight file variant, e.g. ``"fp16"`` for ``*.fp16.safetensors``.
+        torch_dtype: dtype of the loaded weights; ``None`` keeps the stored dtype.
+        local_files_only: read the hub cache only; ``None`` follows ``HF_HUB_OFFLINE``.
+        components: replacements passed to ``from_pretrained``, e.g. ``text_encoder_3=None``.
+
+    Raises:
+        FileNotFoundError: ``model`` is neither a hub id nor an existing directory, or the directory
+            has no ``model_index.json``; the message names the path.
+        OSError: the hub id cannot be loaded (not cached, when offline).
+    """
+    source, is_local = _resolve(model, revision)
+    if is_local and not (Path(source) / "model_index.json").is_file():
+        raise FileNotFoundError(f"{str(Path(source) / 'model_index.json')!r} not found: not a saved pipeline")
+    offline = hub_constants.HF_HUB_OFFLINE if local_files_only is None else local_files_only
+    try:
+        return StableDiffusion3Pipeline.from_pretrained(
+            source,
+            revision=revision,
+            variant=variant,
+            local_files_only=offline,
+            use_safetensors=True,
+            **_dtype_argument(StableDiffusion3Pipeline, torch_dtype),
+            **components,
+        )
+    except OSError as err:
+        if is_local:
+            raise
+        raise _hub_error(source, offline, err) from err
+
+
+def load_component(
+    model: str | os.PathLike[str],
+    name: str,
+    *,
+    revision: str | None = None,
+    variant: str | None = None,
+    torch_dtype: torch.dtype | None = None,
+    local_files_only: bool | None = None,
+) -> Any:
+    """Load one component of a saved SD3 pipeline (its subfolder ``name``) without the others.
+
+    Args:
+        model: a hub id ``"org/name"`` or a pipeline directory.
+        name: ``"transformer"``, ``"vae"``, ``"text_encoder"``, ``"text_encoder_2"``,
+            ``"text_encoder_3"``, ``"tokenizer"``, ``"tokenizer_2"``, ``"tokenizer_3"`` or ``"scheduler"``.
+        revision, variant, torch_dtype, local_files_only: as in :func:`load_pipeline` (``variant`` and
+            ``torch_dtype`` apply to models only).
+
+    Raises:
+        ValueError: unknown ``name``.
+        FileNotFoundError: missing directory or subfolder; the message names the path.
+    """
+    if name not in _COMPONENTS:
+        raise ValueError(f"unknown SD3 component {name!r}; expected one of {sorted(_COMPONENTS)}")
+    source, is_local = _resolve(model, revision)
+    if is_local and not (Path(source) / name).is_dir():
+        raise FileNotFoundError(f"component directory {str(Path(source) / name)!r} does not exist")
+    offline = hub_constants.HF_HUB_OFFLINE if local_files_only is None else local_files_only
+    cls = _COMPONENTS[name]
+    kwargs: dict[str, Any] = {"subfolder": name, "revision": revision, "local_files_only": offline}
+    if issubclass(cls, nn.Module):
+        kwargs.update(variant=variant, use_safetensors=True, **_dtype_argument(cls, torch_dtype))
+    try:
+        return cls.from_pretrained(source, **kwargs)
+    except OSError as err:
+        if is_local:
+            raise
+        raise _hub_error(source, offline, err) from err
+
+
+# Tiny pipelines -----------------------------------------------------------------------------------
+
+
+def tiny_sd3(
+    preset: str = "smoke",
+    *,
+    seed: int = 0,
+    max_sequence_length: int = 16,
+    torch_dtype: torch.dtype = torch.float32,
+) -> StableDiffusion3Pipeline:
+    """A complete SD3 pipeline with random weights, built offline from configs.
+
+    The transformer follows SD3.5 (patch 2, RMS qk-norm, dual attention in block 0) at the size of
+    ``TINY_PRESETS[preset]``; a 3-level VAE with 16 latent channels (0.25M parameters) makes
+    ``[B, 16, 8, 8]`` latents of 32 px images, with SD3.5's shift 0.0609 and scale 1.5305 so that
+    code which forgets them fails on tiny models too; two CLIP encoders (width 32, projection 32)
+    and a T5 encoder (width 64) read 16-token prompts by default; the scheduler is SD3's
+    flow-matching Euler with shift 3. The same ``seed`` gives the same weights in every process,
+    and the global RNG state is left as it was.
+
+    Args:
+        preset: ``"smoke"`` (2 layers, width 64, 0.32M transformer parameters) for unit tests or
+            ``"small"`` (4 layers, 4 heads x 32, 2.4M) for demos.
+        seed: seed of the random weights.
+        max_sequence_length: tokens per prompt of each tokenizer (CLIP pads to it; T5 is read at
+            this length by :func:`encode_prompts`'s default). Prompt embeddings have
+            ``2 * max_sequence_length`` tokens.
+        torch_dtype: dtype of all weights.
+
+    Returns:
+        A pipeline whose default image is 32 x 32 px (``transformer.config.sample_size`` 8 latents).
+    """
+    if preset not in TINY_PRESETS:
+        raise ValueError(f"unknown tiny SD3 preset {preset!r}; expected one of {sorted(TINY_PRESETS)}")
+    if max_sequence_length < 2:
+        raise ValueError(f"max_sequence_length must be >= 2, got {max_sequence_length}")
+    size = TINY_PRESETS[preset]
+    clip_width, t5_width = 32, 64
+    with torch.random.fork_rng(devices=[]):
+        torch.manual_seed(seed)
+        transformer = SD3Transformer2DModel(
+            sample_size=8,
+            patch_size=2,
+            in_channels=16,
+            out_channels=16,
+            joint_attention_dim=t5_width,
+            caption_projection_dim=size["num_attention_heads"] * size["attention_head_dim"],
+            pooled_projection_dim=2 * clip_width,
+            pos_embed_max_size=8,
+            dual_attention_layers=(0,),
+            qk_norm="rms_norm",
+            **size,
+        )
+        vae = AutoencoderKL(
+            in_channels=3,
+            out_channels=3,
+            down_block_types=("DownEncoderBlock2D",) * 3,
+            up_block_types=("UpDecoderBlock2D",) * 3,
+            block_out_channels=(16, 32, 32),
+            layers_per_block=1,
+            latent_channels=16,
+            norm_num_groups=8,
+            sample_size=32,
+            use_quant_conv=False,
+            use_post_quant_conv=False,
+            shift_factor=0.0609,
+            scaling_factor=1.5305,
+        )
+        tokenizers = [clip_tokenizer(model_max_length=max_sequence_length) for _ in range(2)]
+        clip_encoders = [
+            CLIPTextModelWithProjection(
+                CLIPTextConfig(
+                    vocab_size=len(tokenizer),
+                    hidden_size=clip_width,
+                    intermediate_size=2 * clip_width,
+                    projection_dim=clip_width,
+                    num_hidden_layers=2,
+                    num_attention_heads=4,
+                    max_position_embeddings=max_sequence_length,
+                    bos_token_id=tokenizer.bos_token_id,
+                    eos_token_id=tokenizer.eos_token_id,
+                    pad_token_id=tokenizer.pad_token_id,
+                )
+            )
+            for tokenizer in tokenizers
+        ]
+        tokenizer_3 = t5_tokenizer(model_max_length=max_sequence_length)
+        text_encoder_3 = T5EncoderModel(
+            T5Config(
+                vocab_size=len(tokenizer_3),
+                d_model=t5_width,
+                d_kv=16,
+                d_ff=2 * t5_width,
+                num_layers=2,
+                num_heads=4,
+                relative_attention_num_buckets=8,
+                feed_forward_proj="gated-gelu",
+                pad_token_id=tokenizer_3.pad_token_id,
+                eos_token_id=tokenizer_3.eos_token_id,
+                decoder_start_token_id=tokenizer_3.pad_token_id,
+            )
+        )
+    pipeline = StableDiffusion3Pipeline(
+        transformer=transformer,
+        scheduler=FlowMatchEulerDiscreteScheduler(shift=3.0),
+        vae=vae,
+        text_encoder=clip_encoders[0],
+        tokenizer=tokenizers[0],
+        text_encoder_2=clip_encoders[1],
+        tokenizer_2=tokenizers[1],
+        text_encoder_3=text_encoder_3,
+        tokenizer_3=tokenizer_3,
+    )
+    pipeline.set_progress_bar_config(disable=True)
+    for module in pipeline.components.values():
+        if isinstance(module, nn.Module):
+            module.eval()  # as from_pretrained leaves them (T5 has dropout)
+    return pipeline if torch_dtype == torch.float32 else pipeline.to(dtype=torch_dtype)
+
+
+# Prompts ------------------------------------------------------------------------------------------
+
+
+def encode_prompts(
+    pipeline: StableDiffusion3Pipeline, prompts: Sequence[str], max_sequence_length: int | None = None
+) -> tuple[Tensor, Tensor]:
+    """Text embeddings of ``prompts`` for CFG-free sampling and training (no negative prompt).
+
+    Each distinct prompt is encoded once (a batch of G images per prompt costs one encoding per
+    prompt), without gradients.
+
+    Args:
+        pipeline: an SD3 pipeline (its three tokenizers and text encoders are used).
+        prompts: B prompts, repeats allowed.
+        max_sequence_length: T5 tokens per prompt; ``None`` takes ``min(256, model_max_length)`` of
+            the T5 tokenizer (256 for SD3 and SD3.5, as diffusers; the tiny pipelines' own length).
+
+    Returns:
+        ``(prompt_embeds [B, S, D], pooled_prompt_embeds [B, Dp])`` with ``S = L_clip + L_t5``,
+        ``D = transformer.config.joint_attention_dim``, ``Dp = pooled_projection_dim``.
+    """
+    if isinstance(prompts, str) or not all(isinstance(p, str) for p in prompts):
+        raise TypeError(f"prompts must be a sequence of strings, got {prompts!r}")
+    if len(prompts) == 0:
+        raise ValueError("prompts is empty")
+    if max_sequence_length is None:
+        t5 = pipeline.tokenizer_3
+        max_sequence_length = 256 if t5 is None else min(256, t5.model_max_length)
+    unique = list(dict.fromkeys(prompts))
+    with torch.no_grad():
+        embeds, _, pooled, _ = pipeline.encode_prompt(
+            prompt=unique,
+            prompt_2=None,
+            prompt_3=None,
+            do_classifier_free_guidance=False,
+            max_sequence_length=max_sequence_length,
+        )
+    position = {prompt: i for i, prompt in enumerate(unique)}
+    index = torch.tensor([position[p] for p in prompts], device=embeds.device)
+    return embeds[index], pooled[index]
+
+
+# LoRA ---------------------------------------------------------------------------------------------
+
+
+def _lora_layers(transformer: nn.Module) -> list[LoraLayer]:
+    layers = [module for module in transformer.modules() if isinstance(module, LoraLayer)]
+    if not layers:
+        raise ValueError("the transformer has no LoRA layers; call add_lora first")
+    return layers
+
+
+def _adapter_tensors(layer: LoraLayer, name: str) -> list[nn.Parameter]:
+    """The parameters of adapter ``name`` in one LoRA layer (lora_A, lora_B, ... in a fixed order)."""
+    tensors: list[nn.Parameter] = []
+    for attribute in layer.adapter_layer_names:
+        container = getattr(layer, attribute)
+        if name in container:
+            part = container[name]
+            tensors.extend(part.parameters() if isinstance(part, nn.Module) else [part])
+    return tensors
+
+
+def lora_parameters(transformer: nn.Module, name: str = TRAINED) -> list[nn.Parameter]:
+    """The LoRA parameters of adapter ``name`` only (what the optimizer trains), in module order.
+
+    Raises:
+        ValueError: the transformer has no adapter ``name``.
+    """
+    names = list(getattr(transformer, "peft_config", {}))
+    if name not in names:
+        raise ValueError(f"no LoRA adapter named {name!r}; the transformer has {names}")
+    return [p for layer in _lora_layers(transformer) for p in _adapter_tensors(layer, name)]
+
+
+def add_lora(
+    transformer: SD3Transformer2DModel,
+    rank: int = 32,
+    alpha: float = 64.0,
+    *,
+    targets: Sequence[str] = LORA_TARGETS,
+    old: bool = True,
+) -> LoraConfig:
+    """Add the trained LoRA adapter :data:`TRAINED` and, with ``old``, the sampling adapter :data:`OLD`.
+
+    Each target linear layer ``W`` becomes ``W x + (alpha / rank) B A x`` with ``A`` Gaussian and
+    ``B = 0``: the initial delta is zero. The old adapter starts equal to the trained one. Afterwards
+    the base weights and the old adapter are frozen, the trained adapter has ``requires_grad`` and is
+    the active one.
+
+    Args:
+        transformer: an SD3 transformer without adapters of these names.
+        rank: LoRA rank r.
+        alpha: LoRA alpha (scale ``alpha / r``).
+        targets: module names to adapt (suffixes, as peft's ``target_modules``).
+        old: also add the old adapter.
+
+    Returns:
+        The adapters' ``LoraConfig``.
+    """
+    if rank < 1:
+        raise ValueError(f"rank must be >= 1, got {rank}")
+    if alpha <= 0:
+        raise ValueError(f"alpha must be > 0, got {alpha}")
+    existing = sorted({TRAINED, OLD} & set(getattr(transformer, "peft_config", {})))
+    if existing:
+        raise ValueError(f"the transformer already has LoRA adapters {existing}")
+    config = LoraConfig(r=rank, lora_alpha=alpha, init_lora_weights="gaussian", target_modules=list(targets))
+    transformer.requires_grad_(False)
+    transformer.add_adapter(config, adapter_name=TRAINED)
+    if old:
+        with warnings.catch_warnings():  # peft warns that a second adapter is one too many: not here
+            warnings.filterwarnings("ignore", message="Already found a `peft_config`", category=UserWarning)
+            transformer.add_adapter(config, adapter_name=OLD)
+        ema_update(transformer, 0.0)
+    transformer.set_adapter(TRAINED)
+    for p in lora_parameters(transformer, TRAINED):
+        p.requires_grad_(True)
+    if old:
+        for p in lora_parameters(transformer, OLD):
+            p.requires_grad_(False)
+    return config
+
+
+@torch.no_grad()
+def ema_update(transformer: nn.Module, decay: float, *, target: str = OLD, source: str = TRAINED) -> None:
+    """``theta_target <- decay * theta_target + (1 - decay) * theta_source`` over every LoRA tensor.
+
+    ``decay = 0`` copies the source adapter; ``decay = 1`` leaves the target unchanged.
+
+    Raises:
+        ValueError: ``decay`` outside ``[0, 1]``, a missing adapter, or adapters of different rank or
+            alpha (an average of those would mean nothing).
+    """
+    if not 0.0 <= decay <= 1.0:
+        raise ValueError(f"decay must be in [0, 1], got {decay}")
+    for name in (target, source):
+        lora_parameters(transformer, name)
+    configs = [transformer.peft_config[name] for name in (target, source)]
+    if len({(config.r, config.lora_alpha) for config in configs}) > 1:
+        raise ValueError(
+            f"adapters {target!r} and {source!r} differ in (rank, alpha): "
+            f"{[(config.r, config.lora_alpha) for config in configs]}"
+        )
+    for layer in _lora_layers(transformer):
+        for old, new in zip(_adapter_tensors(layer, target), _adapter_tensors(layer, source), strict=True):
+            old.lerp_(new.to(old.dtype), 1.0 - decay)
+
+
+@contextmanager
+def _selected(transformer: SD3Transformer2DModel, name: str | None) -> Iterator[SD3Transformer2DModel]:
+    """Select adapter ``name`` (``None``: disable all); keep every ``requires_grad``; restore on exit."""
+    layers = _lora_layers(transformer)
+    active, disabled = transformer.active_adapters(), layers[0].disable_adapters
+    flags = {p: p.requires_grad for layer in layers for p in layer.parameters()}
+    try:
+        if name is None:
+            transformer.disable_adapters()
+        else:
+            transformer.enable_adapters()
+            transformer.set_adapter(name)
+        # peft's set_adapter and disable_adapters change requires_grad; what trains is the caller's choice.
+        for p, flag in flags.items():
+            p.requires_grad_(flag)
+        yield transformer
+    finally:
+        transformer.set_adapter(active)
+        if disabled:
+            transformer.disable_adapters()
+        else:
+            transformer.enable_adapters()
+        for p, flag in flags.items():
+            p.requires_grad_(flag)
+
+
+def adapter(transformer: SD3Transformer2DModel, name: str) -> AbstractContextManager[SD3Transformer2DModel]:
+    """A context in which forwards of ``transformer`` use LoRA adapter ``name`` alone.
+
+    Switching changes which adapter computes, never which parameters train: every ``requires_grad``
+    is kept. The previous selection is restored on exit, so contexts nest.
+
+    .. code-block:: python
+
+        with torch.no_grad(), adapter(transformer, OLD):
+            v_old = transformer(x_t, embeds, pooled, timestep, return_dict=False)[0]
+
+    Raises:
+        ValueError: no adapter ``name`` (raised by diffusers, naming the loaded adapters).
+    """
+    return _selected(transformer, name)
+
+
+def reference(transformer: SD3Transformer2DModel) -> AbstractContextManager[SD3Transformer2DModel]:
+    """A context in which forwards of ``transformer`` use the base model (all adapters disabled).
+
+    Like :func:`adapter`, it keeps every ``requires_grad`` and restores the previous selection on exit.
+    """
+    return _selected(transformer, None)
+
+
+def save_lora(
+    transformer: SD3Transformer2DModel, directory: str | os.PathLike[str], name: str = TRAINED
+) -> Path:
+    """Save LoRA adapter ``name`` in the diffusers format (``pytorch_lora_weights.safetensors``).
+
+    The file holds the adapter's config as metadata (rank, alpha, targets), so
+    ``StableDiffusion3Pipeline.load_lora_weights(directory)`` rebuilds it exactly.
+
+    Returns:
+        The directory.
+
+    Raises:
+        ValueError: no adapter ``name``.
+        NotADirectoryError: ``directory`` is an existing file.
+    """
+    lora_parameters(transformer, name)
+    directory = Path(directory)
+    if directory.is_file():
+        raise NotADirectoryError(f"cannot save LoRA weights into {str(directory)!r}: it is a file")
+    StableDiffusion3Pipeline.save_lora_weights(
+        directory,
+        transformer_lora_layers=get_peft_model_state_dict(transformer, adapter_name=name),
+        transformer_lora_adapter_metadata=transformer.peft_config[name].to_dict(),
+    )
+    return directory
