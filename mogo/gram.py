@@ -36,7 +36,8 @@ def gramian(
     least) the error is that of a ``chunk_size``-term dot product in that dtype: 3.5e-8 of the
     largest diagonal entry on a 1.1M-parameter MLP's float32 gradients, the size of the round-off
     already in them, at 2.5x the speed of ``dtype=torch.float64``, which is exact to float64
-    round-off. A non-finite result (a product beyond float32's range) is recomputed in float64.
+    round-off. A non-finite result (a product beyond float32's range) is recomputed in float64;
+    negative eigenvalues left by float32 products (nearly dependent gradients) are clipped to 0.
 
     Args:
         stacked_grads: tensors of shape ``[K, *p.shape]``, one per parameter, any dtype/device.
@@ -58,6 +59,7 @@ def gramian(
     stacked_grads = list(stacked_grads)
     gram: Tensor | None = None
     K = None
+    inexact = False  # some product was formed below float64
     for index, grad in enumerate(stacked_grads):
         if grad.ndim == 0:
             raise ValueError(f"stacked gradient {index} is a scalar; expected shape [K, *p.shape]")
@@ -67,6 +69,7 @@ def gramian(
         elif grad.shape[0] != K:
             raise ValueError(f"stacked gradient {index} has {grad.shape[0]} objectives, the first had {K}")
         product_dtype = dtype or torch.promote_types(grad.dtype, torch.float32)
+        inexact = inexact or product_dtype != torch.float64
         flat = grad.reshape(K, -1)
         for start in range(0, flat.shape[1], chunk_size):
             block = flat[:, start : start + chunk_size].to(product_dtype)
@@ -75,7 +78,20 @@ def gramian(
         raise ValueError("stacked_grads is empty: need at least one [K, *p.shape] tensor")
     if dtype is None and not bool(torch.isfinite(gram).all()):
         return gramian(stacked_grads, chunk_size=chunk_size, dtype=torch.float64)  # overflow, or NaN
-    return (gram + gram.T) / 2  # a float32 product of a block with itself is symmetric only to round-off
+    gram = (gram + gram.T) / 2  # a float32 product of a block with itself is symmetric only to round-off
+    if inexact:
+        gram = _nearest_psd(gram)
+    return gram
+
+
+def _nearest_psd(gram: Tensor) -> Tensor:
+    """``G`` with its negative eigenvalues set to 0: products in float32 can leave eigenvalues of
+    nearly dependent gradients at -1e-8 of the largest diagonal entry, below zero by their error."""
+    values, vectors = torch.linalg.eigh(gram)
+    if bool((values >= 0).all()):
+        return gram
+    clipped = (vectors * values.clamp_min(0)) @ vectors.T
+    return (clipped + clipped.T) / 2
 
 
 @dataclass(frozen=True)

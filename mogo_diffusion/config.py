@@ -108,15 +108,17 @@ class SamplingConfig:
         resolution: image side in pixels, a multiple of 16.
         group_size: images per prompt, G >= 2 (advantages are relative to the group).
         prompts_per_epoch: prompt groups sampled per epoch.
+        prompts: a text file of prompts, one per line; None for a small built-in set.
         batch_size: images per sampler call.
     """
 
     num_steps: int = _field(25, check=POSITIVE)
     eval_num_steps: int = _field(40, check=POSITIVE)
-    solver: Literal["euler", "dpm2"] = "dpm2"
+    solver: Literal["euler", "dpmpp2m"] = "dpmpp2m"
     resolution: int = _field(512, check=("a positive multiple of 16", lambda x: x > 0 and x % 16 == 0))
     group_size: int = _field(24, check=(">= 2", lambda x: x >= 2))
     prompts_per_epoch: int = _field(48, check=POSITIVE)
+    prompts: str | None = None
     batch_size: int = _field(9, check=POSITIVE)
 
 
@@ -168,8 +170,8 @@ class StrategyConfig:
         alpha_ema: rho, the EMA decay of the reused alpha, in [0, 1) (marble).
         stages: the sequential strategy's stages, in order.
         reward: the single strategy's reward.
-        micro_batches: ``backward`` calls per optimizer step.
-        estimate: with several micro-batches, harmonize on the ``"first"`` or the whole ``"window"``.
+        estimate: an optimizer step accumulates one ``backward`` per trained timestep; alpha is
+            estimated on the ``"first"`` of them or on the whole ``"window"``.
         grad_mode, nonfinite: passed to :class:`mogo.HarmonizedOptimizer`.
     """
 
@@ -178,7 +180,6 @@ class StrategyConfig:
     alpha_ema: float = _field(0.9, check=DECAY)
     stages: list[StageConfig] = field(default_factory=list)
     reward: str | None = None
-    micro_batches: int = _field(1, check=POSITIVE)
     estimate: Literal["first", "window"] = "first"
     grad_mode: Literal["auto", "batched", "sequential"] = "auto"
     nonfinite: Literal["raise", "skip", "drop"] = "raise"

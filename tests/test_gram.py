@@ -131,3 +131,14 @@ def test_gramian_is_exactly_symmetric():
     grads = [torch.randn(3, 64, generator=torch.Generator().manual_seed(0))]  # b @ b.T is not, here
     G = mogo.gramian(grads)
     assert torch.equal(G, G.T)
+
+
+def test_float32_products_of_nearly_dependent_gradients_stay_positive_semidefinite():
+    generator = torch.Generator().manual_seed(3)
+    base = torch.randn(1, 200_000, generator=generator)
+    grads = [torch.cat([base, base + 1e-4 * torch.randn(2, 200_000, generator=generator)])]
+    G = mogo.gramian(grads)
+    assert float(torch.linalg.eigvalsh(G).min()) >= -1e-15 * float(G.diagonal().max())
+    exact = mogo.gramian(grads, dtype=torch.float64)
+    torch.testing.assert_close(G, exact, rtol=0, atol=1e-6 * float(exact.diagonal().max()))
+    mogo.min_norm(mogo.normalize_gram(G, "l2").gram)  # accepted by the solver's PSD check

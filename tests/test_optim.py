@@ -354,7 +354,7 @@ def test_sequential_gradients_fill_the_given_buffers():
     assert all(g is b for g, b in zip(grads, out, strict=True))
     for g, f in zip(grads, fresh, strict=True):
         assert torch.equal(g, f)
-    with pytest.raises(ValueError, match="one \\[K, \\*p.shape\\] tensor per parameter"):
+    with pytest.raises(ValueError, match=r"one \[K, \*p\.shape\] tensor per parameter"):
         mogo.objective_grads(losses, params, mode="sequential", out=out[:-1])
 
 

@@ -1,0 +1,374 @@
+"""Multi-reward DiffusionNFT fine-tuning: ``python -m mogo_diffusion.train``.
+
+One epoch: sample ``group_size`` images for each of ``prompts_per_epoch`` prompts with the old
+adapter (CFG-free), score every reward, compute advantages, then for each training batch take one
+optimizer step that accumulates one ``backward`` per trained timestep of the sampler's grid; after
+the epoch the old adapter follows the trained one by EMA, and an evaluation EMA is kept apart.
+Strategies share the loop:
+
+* ``marble``: the K per-reward NFT losses into :class:`mogo.HarmonizedOptimizer` (MinNorm);
+* ``weighted_sum``: one NFT loss from the advantage of ``sum_k w_k R_k`` (DiffusionNFT's);
+* ``sequential``: one reward at a time, by the configured stages;
+* ``single``: one reward throughout (the specialist).
+
+Every random draw of an epoch comes from a generator seeded by ``(seed, epoch)``, so a run resumed
+from a checkpoint continues exactly as the uninterrupted run does.
+"""
+
+from __future__ import annotations
+
+import argparse
+import json
+import math
+import time
+from collections.abc import Sequence
+from dataclasses import dataclass
+from pathlib import Path
+from typing import Any
+
+import torch
+from accelerate import Accelerator
+from tqdm.auto import tqdm
+
+import mogo
+from mogo_diffusion import models
+from mogo_diffusion.advantages import per_reward_advantages, weighted_sum_advantages
+from mogo_diffusion.checkpoint import latest_checkpoint, load_checkpoint, save_checkpoint
+from mogo_diffusion.config import Config, ConfigError, add_config_arguments, config_from_args
+from mogo_diffusion.nft import kl_loss, nft_coefficients, nft_loss, nft_losses, nft_terms
+from mogo_diffusion.rewards import MultiReward, make_reward
+from mogo_diffusion.sampling import decode, sample
+
+__all__ = ["DEFAULT_PROMPTS", "Trainer", "main"]
+
+DEFAULT_PROMPTS = tuple(
+    f"a {color} {shape} on a {background} background"
+    for color in ("red", "green", "blue", "yellow")
+    for shape in ("circle", "square", "triangle")
+    for background in ("white", "black")
+)
+DTYPES = {"float32": torch.float32, "float16": torch.float16, "bfloat16": torch.bfloat16}
+
+
+@dataclass
+class Batch:
+    """One epoch's samples: ``latents [B, C, h, w]``, ``rewards [B, K]``, prompts, embeddings."""
+
+    prompts: list[str]
+    embeds: torch.Tensor
+    pooled: torch.Tensor
+    latents: torch.Tensor
+    rewards: torch.Tensor
+    sigmas: torch.Tensor
+    timesteps: torch.Tensor
+
+
+class Trainer:
+    """The training loop of one run; ``Trainer(config).train()`` runs it to ``train.epochs``."""
+
+    def __init__(self, config: Config, accelerator: Accelerator | None = None) -> None:
+        if not config.rewards:
+            raise ConfigError("rewards: configure at least one reward")
+        self.config = config
+        self.accelerator = accelerator or Accelerator(mixed_precision=config.train.mixed_precision)
+        self.out = Path(config.train.out_dir)
+        dtype = DTYPES[config.model.dtype]
+        self.pipeline = models.load_pipeline(
+            config.model.pretrained,
+            revision=config.model.revision,
+            variant=config.model.variant,
+            torch_dtype=dtype,
+        )
+        self.pipeline.to(self.accelerator.device)
+        self.transformer = self.pipeline.transformer
+        with torch.random.fork_rng(devices=[]):  # the adapter's Gaussian init, from the run's seed
+            torch.manual_seed(config.train.seed)
+            models.add_lora(
+                self.transformer,
+                config.model.lora_rank,
+                config.model.lora_alpha,
+                targets=config.model.lora_targets,
+            )
+        self.params = models.lora_parameters(self.transformer)
+        for p in self.params:  # trained in float32 whatever the frozen weights' dtype
+            p.data = p.data.float()
+        self.eval_ema = [p.detach().clone() for p in self.params]
+        self.names = [spec.name for spec in config.rewards]
+        self.rewards = MultiReward(
+            [make_reward(spec.name, **spec.options) for spec in config.rewards],
+            threads=config.train.reward_threads,
+        ).to(self.accelerator.device)
+        self.prompts = self._load_prompts()
+        self.optimizer = self._make_optimizer()
+        self.epoch = 0
+        self.metrics_path = self.out / "metrics.jsonl"
+
+    def _load_prompts(self) -> list[str]:
+        path = self.config.sampling.prompts
+        if path is None:
+            return list(DEFAULT_PROMPTS)
+        if not Path(path).is_file():
+            raise ConfigError(f"sampling.prompts: file {path!r} does not exist")
+        prompts = [line.strip() for line in Path(path).read_text().splitlines() if line.strip()]
+        if not prompts:
+            raise ConfigError(f"sampling.prompts: file {path!r} has no prompts")
+        return prompts
+
+    def _make_optimizer(self) -> torch.optim.Optimizer:
+        train, strategy = self.config.train, self.config.strategy
+        inner = torch.optim.AdamW(self.params, lr=train.lr, weight_decay=train.weight_decay)
+        if strategy.name != "marble":
+            return inner
+        return mogo.HarmonizedOptimizer(
+            inner,
+            self.names,
+            harmonize_every=strategy.harmonize_every,
+            alpha_ema=strategy.alpha_ema,
+            grad_mode=strategy.grad_mode,
+            nonfinite=strategy.nonfinite,
+            accumulation=strategy.estimate,
+            sum_weights=[spec.weight if spec.weight is not None else 1.0 for spec in self.config.rewards],
+        )
+
+    # ---- one epoch ----------------------------------------------------------------------------
+
+    def _generator(self, epoch: int) -> torch.Generator:
+        return torch.Generator().manual_seed(self.config.train.seed * 1_000_003 + epoch)
+
+    def collect(self, epoch: int) -> Batch:
+        """Sample the epoch's images with the old adapter and score them."""
+        sampling = self.config.sampling
+        generator = self._generator(epoch)
+        chosen = torch.randint(len(self.prompts), (sampling.prompts_per_epoch,), generator=generator)
+        prompts = [self.prompts[i] for i in chosen.tolist() for _ in range(sampling.group_size)]
+        embeds, pooled = models.encode_prompts(self.pipeline, prompts, self.config.model.max_sequence_length)
+        config = self.transformer.config
+        shape = (len(prompts), config.in_channels, config.sample_size, config.sample_size)
+        noise = torch.randn(shape, generator=generator)
+        latents, images = [], []
+        with models.adapter(self.transformer, models.OLD):
+            for start in range(0, len(prompts), sampling.batch_size):
+                part = slice(start, start + sampling.batch_size)
+                samples = sample(
+                    self.transformer, self.pipeline.scheduler, embeds[part], pooled[part], sampling.num_steps,
+                    latents=noise[part], solver=sampling.solver,
+                )  # fmt: skip
+                latents.append(samples.latents)
+                with torch.no_grad():
+                    images.append(decode(self.pipeline.vae, samples.latents))
+        scores = self.rewards(torch.cat(images), prompts)
+        return Batch(
+            prompts, embeds, pooled, torch.cat(latents), scores.values.to(self.accelerator.device),
+            samples.sigmas, samples.timesteps,
+        )  # fmt: skip
+
+    def active_rewards(self, epoch: int) -> list[int]:
+        """The rewards the strategy trains on in ``epoch`` (all of them but for sequential/single)."""
+        strategy = self.config.strategy
+        if strategy.name == "single":
+            return [self.names.index(strategy.reward)]
+        if strategy.name == "sequential":
+            total = sum(stage.epochs for stage in strategy.stages)
+            position = epoch % total
+            for stage in strategy.stages:
+                if position < stage.epochs:
+                    return [self.names.index(stage.reward)]
+                position -= stage.epochs
+        return list(range(len(self.names)))
+
+    def advantages(self, batch: Batch, epoch: int) -> torch.Tensor:
+        """``[B, K]`` per-reward advantages for marble, else ``[B, 1]`` of the trained scalar."""
+        nft, strategy = self.config.nft, self.config.strategy
+        groups = batch.prompts
+        options = {"std_scope": nft.std_scope, "adv_clip": nft.adv_clip, "names": self.names}
+        if strategy.name == "marble":
+            return per_reward_advantages(batch.rewards, groups, **options)
+        if strategy.name == "weighted_sum":
+            weights = torch.tensor([spec.weight for spec in self.config.rewards], dtype=batch.rewards.dtype)
+            return weighted_sum_advantages(
+                batch.rewards, weights, groups, nan=nft.weighted_sum_nan, **options
+            )[:, None]
+        (k,) = self.active_rewards(epoch)
+        return per_reward_advantages(
+            batch.rewards[:, k : k + 1], groups, **{**options, "names": [self.names[k]]}
+        )
+
+    def train_epoch(self, epoch: int) -> dict[str, Any]:
+        """Collect, then one optimizer step per training batch; returns the epoch's metrics."""
+        start = time.perf_counter()
+        batch = self.collect(epoch)
+        sampled = time.perf_counter()
+        advantages = self.advantages(batch, epoch)
+        train = self.config.train
+        generator = self._generator(epoch)
+        generator.manual_seed(generator.initial_seed() + 1)  # a stream apart from the sampling draws
+        steps = len(batch.timesteps)
+        count = max(1, int(train.timestep_fraction * steps))
+        order = torch.randperm(len(batch.prompts), generator=generator)
+        kls = []
+        for begin in range(0, len(order), train.batch_size):
+            index = order[begin : begin + train.batch_size]
+            chosen = torch.randperm(steps, generator=generator)[:count].sort().values
+            noise = torch.randn((len(chosen), *batch.latents[index].shape), generator=generator)
+            self.optimizer.zero_grad()
+            for j, eps in zip(chosen.tolist(), noise, strict=True):
+                kls.append(self._backward(batch, index, advantages[index], j, eps.to(batch.latents)))
+            if train.grad_clip is not None:
+                if isinstance(self.optimizer, mogo.HarmonizedOptimizer):
+                    self.optimizer.harmonize()
+                torch.nn.utils.clip_grad_norm_(self.params, train.grad_clip)
+            self.optimizer.step()
+        decay = min(train.old_decay_rate * epoch, train.old_decay_max)
+        models.ema_update(self.transformer, decay)
+        with torch.no_grad():
+            for ema, p in zip(self.eval_ema, self.params, strict=True):
+                ema.lerp_(p.detach(), 1 - train.eval_ema_decay)
+        seconds = time.perf_counter() - start
+        return self._metrics(epoch, batch, kls, seconds, sampled - start)
+
+    def _backward(
+        self, batch: Batch, index: torch.Tensor, advantages: torch.Tensor, j: int, eps: torch.Tensor
+    ) -> float:
+        """One trained timestep ``t = sigma_j`` of one training batch: forward(s) and backward."""
+        nft = self.config.nft
+        x0 = batch.latents[index]
+        t = float(batch.sigmas[j])
+        x_t = (1 - t) * x0 + t * eps
+        inputs = {
+            "hidden_states": x_t.to(self.transformer.dtype),
+            "timestep": batch.timesteps[j].expand(len(index)).to(x_t.device),
+            "encoder_hidden_states": batch.embeds[index].to(self.transformer.dtype),
+            "pooled_projections": batch.pooled[index].to(self.transformer.dtype),
+            "return_dict": False,
+        }
+        with torch.no_grad():
+            with models.adapter(self.transformer, models.OLD):
+                v_old = self.transformer(**inputs)[0]
+            v_ref = None
+            if nft.kl_coef > 0:
+                with models.reference(self.transformer):
+                    v_ref = self.transformer(**inputs)[0]
+        with self.accelerator.autocast():
+            v = self.transformer(**inputs)[0]
+        kl = kl_loss(v, v_ref, kl_coef=nft.kl_coef) if v_ref is not None else None
+        if isinstance(self.optimizer, mogo.HarmonizedOptimizer):
+            terms = nft_terms(v, v_old, x_t, x0, t, beta=nft.beta)
+            losses = nft_losses(terms, nft_coefficients(advantages, beta=nft.beta, adv_clip=nft.adv_clip))
+            self.optimizer.backward(losses, shared=kl)
+        else:
+            loss = nft_loss(v, v_old, x_t, x0, t, advantages[:, 0], beta=nft.beta, adv_clip=nft.adv_clip)
+            self.accelerator.backward(loss if kl is None else loss + kl)
+        return 0.0 if kl is None else float(kl.detach())
+
+    def _metrics(
+        self, epoch: int, batch: Batch, kls: Sequence[float], seconds: float, sampling_s: float
+    ) -> dict:
+        rewards = batch.rewards
+        metrics: dict[str, Any] = {"epoch": epoch, "seconds": seconds, "sampling_seconds": sampling_s}
+        metrics["images_per_second"] = len(batch.prompts) / seconds
+        metrics["kl"] = sum(kls) / max(1, len(kls))
+        for k, name in enumerate(self.names):
+            column = rewards[:, k]
+            applicable = column[~torch.isnan(column)]
+            metrics[f"reward/{name}"] = float(applicable.mean()) if len(applicable) else math.nan
+        if isinstance(self.optimizer, mogo.HarmonizedOptimizer):
+            metrics.update(
+                {
+                    f"alpha/{n}": float(a)
+                    for n, a in zip(self.names, self.optimizer.amortizer.alpha, strict=True)
+                }
+            )
+            metrics["conflict_rate"] = self.optimizer.meter.conflict_rate
+            if self.optimizer.last_report is not None:
+                metrics["worst_cosine_weighted_sum"] = float(
+                    self.optimizer.last_report.weighted_sum_cosines.min()
+                )
+        return metrics
+
+    # ---- checkpoints ---------------------------------------------------------------------------
+
+    def state(self) -> dict[str, Any]:
+        """Everything a resumed run needs: adapters, evaluation EMA, optimizer, epoch, config."""
+        return {
+            "epoch": self.epoch,
+            "trained": [p.detach() for p in self.params],
+            "old": [p.detach() for p in models.lora_parameters(self.transformer, models.OLD)],
+            "eval_ema": self.eval_ema,
+            "optimizer": self.optimizer.state_dict(),
+            "config": self.config.to_dict(),
+        }
+
+    def save(self) -> Path:
+        path = save_checkpoint(self.out / "checkpoints", self.epoch, self.state())
+        models.save_lora(self.transformer, path / "lora")
+        return path
+
+    def resume(self, path: str | Path) -> None:
+        """Continue from a checkpoint directory, or ``"latest"`` in this run's directory."""
+        if str(path) == "latest":
+            found = latest_checkpoint(self.out / "checkpoints")
+            if found is None:
+                raise FileNotFoundError(
+                    f"--resume latest: no checkpoint in {str(self.out / 'checkpoints')!r}"
+                )
+            path = found
+        state = load_checkpoint(path)
+        old = models.lora_parameters(self.transformer, models.OLD)
+        for name, saved, current in (("trained", state["trained"], self.params), ("old", state["old"], old)):
+            shapes = [tuple(t.shape) for t in saved]
+            if shapes != [tuple(p.shape) for p in current]:
+                raise ValueError(
+                    f"checkpoint {str(path)!r}: its {name} adapter does not match this model's "
+                    f"(first shapes {shapes[:3]})"
+                )
+        self.optimizer.load_state_dict(state["optimizer"])
+        with torch.no_grad():
+            for p, value in zip([*self.params, *old], [*state["trained"], *state["old"]], strict=True):
+                p.copy_(value)
+        self.eval_ema = [t.to(p.device) for t, p in zip(state["eval_ema"], self.params, strict=True)]
+        self.epoch = int(state["epoch"])
+
+    # ---- the run -------------------------------------------------------------------------------
+
+    def train(self, epochs: int | None = None) -> list[dict[str, Any]]:
+        """Train until ``epochs`` (default ``train.epochs``) epochs are done; returns their metrics."""
+        train = self.config.train
+        end = train.epochs if epochs is None else epochs
+        self.out.mkdir(parents=True, exist_ok=True)
+        self.config.save(self.out / "config.yaml")
+        history = []
+        progress = tqdm(range(self.epoch, end), initial=self.epoch, total=end, desc="epochs", disable=None)
+        for epoch in progress:
+            metrics = self.train_epoch(epoch)
+            self.epoch = epoch + 1
+            history.append(metrics)
+            progress.set_postfix(
+                {k.split("/")[-1]: f"{v:.3g}" for k, v in metrics.items() if k.startswith("reward/")}
+            )
+            if epoch % train.log_every == 0 or self.epoch == end:
+                with self.metrics_path.open("a") as file:
+                    file.write(json.dumps(metrics) + "\n")
+            if self.epoch % train.checkpoint_every == 0 or self.epoch == end:
+                self.save()
+        return history
+
+
+def main(argv: list[str] | None = None) -> None:
+    parser = argparse.ArgumentParser(
+        prog="python -m mogo_diffusion.train", description=__doc__.splitlines()[0]
+    )
+    add_config_arguments(parser)
+    parser.add_argument("--resume", default=None, help="'latest' or a checkpoint directory")
+    args = parser.parse_args(argv)
+    try:
+        config = config_from_args(args)
+    except ConfigError as error:
+        parser.error(str(error))
+    trainer = Trainer(config)
+    if args.resume:
+        trainer.resume(args.resume)
+    trainer.train()
+
+
+if __name__ == "__main__":
+    main()

@@ -1,0 +1,158 @@
+"""The training loop end to end on a tiny SD3 saved to disk: strategies, resume, LoRA, bad input."""
+
+from __future__ import annotations
+
+import json
+
+import pytest
+import torch
+from diffusers import StableDiffusion3Pipeline
+
+from mogo_diffusion import models
+from mogo_diffusion.checkpoint import CheckpointError
+from mogo_diffusion.config import Config, ConfigError
+from mogo_diffusion.train import Trainer, main
+
+REWARDS = [
+    {"name": "jpeg_compressibility", "weight": 1.0},
+    {"name": "sharpness", "weight": 1.0},
+    {"name": "color_match", "weight": 1.0},
+]
+STRATEGIES = {
+    "marble": {"name": "marble", "harmonize_every": 2, "alpha_ema": 0.5},
+    "weighted_sum": {"name": "weighted_sum"},
+    "sequential": {
+        "name": "sequential",
+        "stages": [{"reward": "sharpness", "epochs": 1}, {"reward": "color_match", "epochs": 1}],
+    },
+    "single": {"name": "single", "reward": "color_match"},
+}
+
+
+@pytest.fixture(scope="module")
+def tiny_dir(tmp_path_factory):
+    path = tmp_path_factory.mktemp("tiny-sd3")
+    models.tiny_sd3("smoke").save_pretrained(path)
+    return path
+
+
+def config(tiny_dir, out, strategy="marble", **train) -> Config:
+    return Config.from_dict(
+        {
+            "model": {"pretrained": str(tiny_dir), "dtype": "float32", "lora_rank": 4, "lora_alpha": 8,
+                      "max_sequence_length": 16},
+            "sampling": {"num_steps": 3, "resolution": 32, "group_size": 2, "prompts_per_epoch": 2,
+                         "batch_size": 4, "solver": "euler"},
+            "rewards": REWARDS,
+            "strategy": STRATEGIES[strategy],
+            "train": {"epochs": 2, "batch_size": 4, "mixed_precision": "no", "out_dir": str(out),
+                      "checkpoint_every": 1, "lr": 1e-2, **train},
+        }
+    )  # fmt: skip
+
+
+def lora_vector(trainer: Trainer) -> torch.Tensor:
+    return torch.cat([p.detach().reshape(-1) for p in trainer.params])
+
+
+@pytest.mark.parametrize("strategy", list(STRATEGIES))
+def test_every_strategy_trains_logs_and_checkpoints(tiny_dir, tmp_path, strategy):
+    trainer = Trainer(config(tiny_dir, tmp_path, strategy))
+    before = lora_vector(trainer)
+    history = trainer.train()
+    assert [m["epoch"] for m in history] == [0, 1]
+    assert not torch.equal(lora_vector(trainer), before)
+    lines = [json.loads(line) for line in (tmp_path / "metrics.jsonl").read_text().splitlines()]
+    assert len(lines) == 2
+    assert {"reward/jpeg_compressibility", "reward/sharpness", "reward/color_match", "kl"} <= set(lines[0])
+    if strategy == "marble":
+        alpha = [lines[-1][f"alpha/{spec['name']}"] for spec in REWARDS]
+        assert abs(sum(alpha) - 1) < 1e-6
+        assert 0 <= lines[-1]["conflict_rate"] <= 1
+    assert sorted(p.name for p in (tmp_path / "checkpoints").iterdir()) == ["step-000001", "step-000002"]
+    assert (tmp_path / "config.yaml").is_file()
+
+
+def test_sequential_follows_its_stages(tiny_dir, tmp_path):
+    trainer = Trainer(config(tiny_dir, tmp_path, "sequential"))
+    assert [trainer.active_rewards(epoch) for epoch in range(4)] == [[1], [2], [1], [2]]
+
+
+def test_a_resumed_run_ends_bit_identical_to_an_uninterrupted_one(tiny_dir, tmp_path):
+    whole = Trainer(config(tiny_dir, tmp_path / "whole", epochs=3))
+    whole.train()
+    first = Trainer(config(tiny_dir, tmp_path / "split", epochs=3))
+    first.train(epochs=2)
+    resumed = Trainer(config(tiny_dir, tmp_path / "split", epochs=3))
+    resumed.resume("latest")
+    assert resumed.epoch == 2
+    resumed.train()
+    assert torch.equal(lora_vector(resumed), lora_vector(whole))
+    old = [models.lora_parameters(t.transformer, models.OLD) for t in (whole, resumed)]
+    assert all(torch.equal(a, b) for a, b in zip(*old, strict=True))
+    assert all(torch.equal(a, b) for a, b in zip(whole.eval_ema, resumed.eval_ema, strict=True))
+    assert (
+        whole.optimizer.state_dict()["mogo"]["amortizer"]
+        == resumed.optimizer.state_dict()["mogo"]["amortizer"]
+    )
+
+
+def test_the_saved_lora_loads_into_a_fresh_pipeline_and_changes_its_output(tiny_dir, tmp_path):
+    trainer = Trainer(config(tiny_dir, tmp_path, "weighted_sum"))
+    trainer.train()
+    lora = tmp_path / "checkpoints" / "step-000002" / "lora"
+
+    def velocity(pipeline):
+        generator = torch.Generator().manual_seed(0)
+        x = torch.randn(1, 16, 8, 8, generator=generator)
+        embeds, pooled = models.encode_prompts(pipeline, ["a red circle on a white background"], 16)
+        with torch.no_grad():
+            return pipeline.transformer(x, embeds, pooled, torch.tensor([500.0]), return_dict=False)[0]
+
+    base = velocity(StableDiffusion3Pipeline.from_pretrained(tiny_dir))
+    fresh = StableDiffusion3Pipeline.from_pretrained(tiny_dir)
+    fresh.load_lora_weights(lora)
+    tuned = velocity(fresh)
+    with models.adapter(trainer.transformer, models.TRAINED):
+        trained = velocity(trainer.pipeline)
+    assert not torch.allclose(tuned, base)
+    torch.testing.assert_close(tuned, trained, rtol=1e-5, atol=1e-6)
+
+
+def test_bad_configs_fail_at_start_naming_the_field(tiny_dir, tmp_path):
+    with pytest.raises(ConfigError, match=r"rewards\.0\.name"):
+        Config.from_dict({"rewards": [{"name": "no_such_reward"}]})
+    data = config(tiny_dir, tmp_path, "weighted_sum").to_dict()
+    data["rewards"][1]["weight"] = None
+    with pytest.raises(ConfigError, match="weight"):
+        Config.from_dict(data)
+    data = config(tiny_dir, tmp_path).to_dict()
+    data["model"]["pretrained"] = str(tmp_path / "missing")
+    with pytest.raises(ConfigError, match=r"model\.pretrained"):
+        Config.from_dict(data)
+
+
+def test_a_corrupt_checkpoint_is_named_and_nothing_is_changed(tiny_dir, tmp_path):
+    trainer = Trainer(config(tiny_dir, tmp_path, "marble", epochs=1))
+    trainer.train()
+    checkpoint = tmp_path / "checkpoints" / "step-000001"
+    (checkpoint / "tensors.safetensors").write_bytes(b"not a safetensors file")
+    fresh = Trainer(config(tiny_dir, tmp_path, "marble", epochs=1))
+    before = lora_vector(fresh)
+    with pytest.raises(CheckpointError, match=r"tensors\.safetensors"):
+        fresh.resume("latest")
+    assert fresh.epoch == 0
+    assert torch.equal(lora_vector(fresh), before)
+
+
+def test_the_command_line_runs_with_overrides_and_has_help(tiny_dir, tmp_path, capsys):
+    path = tmp_path / "run.yaml"
+    config(tiny_dir, tmp_path / "cli", "single").save(path)
+    main(["--config", str(path), "--set", "train.epochs=1"])
+    assert len((tmp_path / "cli" / "metrics.jsonl").read_text().splitlines()) == 1
+    with pytest.raises(SystemExit):
+        main(["--help"])
+    assert "--resume" in capsys.readouterr().out
+    with pytest.raises(SystemExit):
+        main(["--config", str(path), "--set", "train.lr=-1"])
+    assert "train.lr" in capsys.readouterr().err
