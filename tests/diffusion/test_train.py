@@ -91,10 +91,9 @@ def test_a_resumed_run_ends_bit_identical_to_an_uninterrupted_one(tiny_dir, tmp_
     old = [models.lora_parameters(t.transformer, models.OLD) for t in (whole, resumed)]
     assert all(torch.equal(a, b) for a, b in zip(*old, strict=True))
     assert all(torch.equal(a, b) for a, b in zip(whole.eval_ema, resumed.eval_ema, strict=True))
-    assert (
-        whole.optimizer.state_dict()["mogo"]["amortizer"]
-        == resumed.optimizer.state_dict()["mogo"]["amortizer"]
-    )
+    amortizers = [t.optimizer.state_dict()["mogo"]["amortizer"] for t in (whole, resumed)]
+    for key, value in amortizers[0].items():
+        assert torch.equal(torch.as_tensor(value), torch.as_tensor(amortizers[1][key])), key
 
 
 def test_the_saved_lora_loads_into_a_fresh_pipeline_and_changes_its_output(tiny_dir, tmp_path):
