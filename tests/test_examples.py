@@ -72,3 +72,16 @@ def test_solver_benchmark_quick_run_writes_its_tables(tmp_path):
     summary = (tmp_path / "solvers_summary.rst").read_text()
     assert "mogo exact" in summary
     assert "0/24" in summary.split("mogo exact")[1].split("* -")[0]  # no failure for mogo exact
+
+
+@pytest.mark.slow
+def test_train_step_benchmark_quick_run_prints_its_table():
+    result = subprocess.run(
+        [sys.executable, str(ROOT / "benchmarks" / "train_step.py"), "--quick"],
+        check=True,
+        capture_output=True,
+        text=True,
+    )
+    rows = [line for line in result.stdout.splitlines() if line.startswith("| marble")]
+    assert len(rows) == 3
+    assert all(float(row.split("|")[3]) > 0 for row in rows)
