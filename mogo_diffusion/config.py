@@ -203,6 +203,8 @@ class TrainConfig:
         reward_threads: rewards scored at once (see :class:`mogo_diffusion.rewards.MultiReward`).
         seed, out_dir: the random seed and the run directory.
         log_every, eval_every, checkpoint_every: periods in epochs.
+        log_with: accelerate trackers that also receive the metrics (e.g. ``["tensorboard"]``,
+            written under ``out_dir/trackers``); the JSONL file is always written.
     """
 
     lr: float = _field(3e-4, check=POSITIVE)
@@ -221,6 +223,7 @@ class TrainConfig:
     log_every: int = _field(1, check=POSITIVE)
     eval_every: int = _field(10, check=POSITIVE)
     checkpoint_every: int = _field(30, check=POSITIVE)
+    log_with: list[str] = field(default_factory=list)
 
 
 @dataclass

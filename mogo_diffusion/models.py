@@ -26,6 +26,7 @@ from __future__ import annotations
 import os
 import re
 import warnings
+import weakref
 from collections.abc import Iterator, Sequence
 from contextlib import AbstractContextManager, contextmanager
 from pathlib import Path
@@ -495,30 +496,45 @@ def ema_update(transformer: nn.Module, decay: float, *, target: str = OLD, sourc
             old.lerp_(new.to(old.dtype), 1.0 - decay)
 
 
+_LAYERS: weakref.WeakKeyDictionary[nn.Module, tuple[tuple[str, ...], list[LoraLayer]]] = (
+    weakref.WeakKeyDictionary()
+)
+
+
+def _cached_lora_layers(transformer: nn.Module) -> list[LoraLayer]:
+    """:func:`_lora_layers`, remembered per transformer until its set of adapters changes.
+
+    Walking every module costs more than a tiny model's forward; a training loop switches adapters
+    several times per step.
+    """
+    names = tuple(getattr(transformer, "peft_config", {}))
+    cached = _LAYERS.get(transformer)
+    if cached is None or cached[0] != names:
+        cached = _LAYERS[transformer] = (names, _lora_layers(transformer))
+    return cached[1]
+
+
 @contextmanager
 def _selected(transformer: SD3Transformer2DModel, name: str | None) -> Iterator[SD3Transformer2DModel]:
-    """Select adapter ``name`` (``None``: disable all); keep every ``requires_grad``; restore on exit."""
-    layers = _lora_layers(transformer)
-    active, disabled = transformer.active_adapters(), layers[0].disable_adapters
-    flags = {p: p.requires_grad for layer in layers for p in layer.parameters()}
+    """Select adapter ``name`` (``None``: disable all) in every LoRA layer; restore on exit.
+
+    The layers' selection is switched directly: peft's ``set_adapter`` and ``enable_adapters`` walk
+    the model and reset ``requires_grad``, while what trains is the caller's choice.
+    """
+    layers = _cached_lora_layers(transformer)
+    if name is not None and name not in transformer.peft_config:
+        loaded = list(transformer.peft_config)
+        raise ValueError(f"no LoRA adapter named {name!r}; the transformer has {loaded}")
+    saved = [(layer._active_adapter, layer._disable_adapters) for layer in layers]
     try:
-        if name is None:
-            transformer.disable_adapters()
-        else:
-            transformer.enable_adapters()
-            transformer.set_adapter(name)
-        # peft's set_adapter and disable_adapters change requires_grad; what trains is the caller's choice.
-        for p, flag in flags.items():
-            p.requires_grad_(flag)
+        for layer in layers:
+            if name is not None:
+                layer._active_adapter = [name]
+            layer._disable_adapters = name is None
         yield transformer
     finally:
-        transformer.set_adapter(active)
-        if disabled:
-            transformer.disable_adapters()
-        else:
-            transformer.enable_adapters()
-        for p, flag in flags.items():
-            p.requires_grad_(flag)
+        for layer, (active, disabled) in zip(layers, saved, strict=True):
+            layer._active_adapter, layer._disable_adapters = active, disabled
 
 
 def adapter(transformer: SD3Transformer2DModel, name: str) -> AbstractContextManager[SD3Transformer2DModel]:
@@ -533,7 +549,7 @@ def adapter(transformer: SD3Transformer2DModel, name: str) -> AbstractContextMan
             v_old = transformer(x_t, embeds, pooled, timestep, return_dict=False)[0]
 
     Raises:
-        ValueError: no adapter ``name`` (raised by diffusers, naming the loaded adapters).
+        ValueError: no adapter ``name`` (naming the loaded adapters).
     """
     return _selected(transformer, name)
 

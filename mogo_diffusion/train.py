@@ -28,6 +28,8 @@ from typing import Any
 
 import torch
 from accelerate import Accelerator
+from accelerate.tracking import get_available_trackers
+from accelerate.utils import LoggerType
 from tqdm.auto import tqdm
 
 import mogo
@@ -63,6 +65,29 @@ class Batch:
     timesteps: torch.Tensor
 
 
+def _trackers(names: Sequence[str]) -> list[str]:
+    """Validate accelerate tracker names: known, and their package installed."""
+    known = [str(kind) for kind in LoggerType if kind != LoggerType.ALL]
+    available = {str(kind) for kind in get_available_trackers()}
+    for name in names:
+        if name not in known:
+            raise ConfigError(f"train.log_with: unknown tracker {name!r}; known: {', '.join(known)}")
+        if name not in available:
+            raise ConfigError(f"train.log_with: tracker {name!r} needs its package: pip install {name}")
+    return list(names)
+
+
+def _hyperparameters(config: Config) -> dict[str, Any]:
+    """The config as flat ``section.key`` scalars (what trackers accept as hyper-parameters)."""
+    flat: dict[str, Any] = {}
+    for section, values in config.to_dict().items():
+        items = values.items() if isinstance(values, dict) else [(str(i), v) for i, v in enumerate(values)]
+        for key, value in items:
+            scalar = value if isinstance(value, int | float | str | bool) else json.dumps(value)
+            flat[f"{section}.{key}"] = scalar
+    return flat
+
+
 class Trainer:
     """The training loop of one run; ``Trainer(config).train()`` runs it to ``train.epochs``."""
 
@@ -70,8 +95,12 @@ class Trainer:
         if not config.rewards:
             raise ConfigError("rewards: configure at least one reward")
         self.config = config
-        self.accelerator = accelerator or Accelerator(mixed_precision=config.train.mixed_precision)
         self.out = Path(config.train.out_dir)
+        self.accelerator = accelerator or Accelerator(
+            mixed_precision=config.train.mixed_precision,
+            log_with=_trackers(config.train.log_with) or None,
+            project_dir=self.out / "trackers",
+        )
         dtype = DTYPES[config.model.dtype]
         self.pipeline = models.load_pipeline(
             config.model.pretrained,
@@ -336,6 +365,8 @@ class Trainer:
         end = train.epochs if epochs is None else epochs
         self.out.mkdir(parents=True, exist_ok=True)
         self.config.save(self.out / "config.yaml")
+        if self.accelerator.log_with:
+            self.accelerator.init_trackers("mogo_diffusion", config=_hyperparameters(self.config))
         history = []
         progress = tqdm(range(self.epoch, end), initial=self.epoch, total=end, desc="epochs", disable=None)
         for epoch in progress:
@@ -348,8 +379,10 @@ class Trainer:
             if epoch % train.log_every == 0 or self.epoch == end:
                 with self.metrics_path.open("a") as file:
                     file.write(json.dumps(metrics) + "\n")
+                self.accelerator.log({k: v for k, v in metrics.items() if k != "epoch"}, step=epoch)
             if self.epoch % train.checkpoint_every == 0 or self.epoch == end:
                 self.save()
+        self.accelerator.end_training()
         return history
 
 

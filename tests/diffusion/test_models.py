@@ -399,3 +399,24 @@ def test_lora_helpers_refuse_bad_adapters(pipeline, tmp_path):
     transformer.add_adapter(LoraConfig(r=3, lora_alpha=3.0, target_modules=["to_q"]), adapter_name="other")
     with pytest.raises(ValueError, match=r"differ in \(rank, alpha\)"):
         ema_update(transformer, 0.5, target="other")
+
+
+@pytest.mark.filterwarnings("ignore:Already found a `peft_config`:UserWarning")  # the "late" adapter
+def test_adapter_switching_agrees_with_peft_and_sees_adapters_added_later(embeds, noise):
+    transformer = tiny_sd3().transformer
+    add_lora(transformer, rank=2, alpha=2.0)
+    _perturb(transformer, TRAINED, seed=6)
+    with adapter(transformer, OLD):
+        assert transformer.active_adapters() == [OLD]  # diffusers reads the layers' own selection
+        switched = _velocity(transformer, embeds, noise)
+    transformer.set_adapter(OLD)  # the same selection through peft
+    torch.testing.assert_close(_velocity(transformer, embeds, noise), switched, atol=0, rtol=0)
+    transformer.set_adapter(TRAINED)
+    config = LoraConfig(r=2, lora_alpha=2.0, init_lora_weights="gaussian", target_modules=["to_q"])
+    transformer.add_adapter(config, adapter_name="late")  # after the layers were first looked up
+    _perturb(transformer, "late", seed=7)
+    with adapter(transformer, "late"):
+        late = _velocity(transformer, embeds, noise)
+    transformer.set_adapter("late")
+    torch.testing.assert_close(_velocity(transformer, embeds, noise), late, atol=0, rtol=0)
+    assert (late - switched).abs().max() > 1e-3

@@ -6,6 +6,8 @@ import json
 
 import pytest
 import torch
+from accelerate.tracking import get_available_trackers
+from accelerate.utils import LoggerType
 from diffusers import StableDiffusion3Pipeline
 
 from mogo_diffusion import models
@@ -155,3 +157,27 @@ def test_the_command_line_runs_with_overrides_and_has_help(tiny_dir, tmp_path, c
     with pytest.raises(SystemExit):
         main(["--config", str(path), "--set", "train.lr=-1"])
     assert "train.lr" in capsys.readouterr().err
+
+
+def test_metrics_reach_tensorboard_through_accelerate(tiny_dir, tmp_path):
+    event_accumulator = pytest.importorskip("tensorboard.backend.event_processing.event_accumulator")
+    Trainer(config(tiny_dir, tmp_path, "marble", log_with=["tensorboard"])).train()
+    (run,) = (tmp_path / "trackers" / "mogo_diffusion").glob("events.out.tfevents.*")
+    events = event_accumulator.EventAccumulator(str(run))
+    events.Reload()
+    logged = [json.loads(line) for line in (tmp_path / "metrics.jsonl").read_text().splitlines()]
+    for tag in ("reward/color_match", "alpha/sharpness", "conflict_rate", "images_per_second"):
+        scalars = events.Scalars(tag)
+        assert [s.step for s in scalars] == [0, 1]
+        assert [s.value for s in scalars] == pytest.approx([m[tag] for m in logged], rel=1e-6)
+
+
+def test_an_unknown_or_missing_tracker_is_named(tiny_dir, tmp_path):
+    with pytest.raises(ConfigError, match=r"train\.log_with: unknown tracker 'tensorbord'"):
+        Trainer(config(tiny_dir, tmp_path, "single", log_with=["tensorbord"]))
+    available = {str(kind) for kind in get_available_trackers()}
+    missing = [str(kind) for kind in LoggerType if kind != LoggerType.ALL and str(kind) not in available]
+    if not missing:
+        pytest.skip("every accelerate tracker is installed here")
+    with pytest.raises(ConfigError, match=rf"tracker '{missing[0]}' needs its package"):
+        Trainer(config(tiny_dir, tmp_path, "single", log_with=missing[:1]))
