@@ -314,13 +314,16 @@ class HarmonizedOptimizer(torch.optim.Optimizer):
         self.meter.update(self.last_report)
 
     def harmonize(self) -> None:
-        """With ``accumulation="window"``: solve on the window's summed gradients and write
-        ``.grad``. ``step`` calls it; call it yourself before clipping or unscaling gradients."""
-        if self._buffers is None:
-            return
-        buffers, losses = self._buffers, self._buffered_losses
-        self._buffers = self._buffered_losses = None
-        self._apply(buffers, torch.ones(len(self.objectives), dtype=torch.bool, device=losses.device), losses)
+        """Make ``.grad`` final: with ``accumulation="window"``, solve on the window's summed
+        gradients; under data parallelism without DDP, average ``.grad`` over the ranks. ``step``
+        calls it; call it yourself before clipping or unscaling gradients."""
+        if self._buffers is not None:
+            buffers, losses = self._buffers, self._buffered_losses
+            self._buffers = self._buffered_losses = None
+            active = torch.ones(len(self.objectives), dtype=torch.bool, device=losses.device)
+            self._apply(buffers, active, losses)
+        if self.distributed is not None and not self._skip_step:
+            self.distributed.finish(self._trainable())
 
     def _expand(self, weights: Weights, active: Tensor) -> Weights:
         """Weights over the active objectives, scattered to all K (alpha 0, divisor 1 elsewhere)."""
@@ -344,8 +347,6 @@ class HarmonizedOptimizer(torch.optim.Optimizer):
                 losses = closure()
                 self.backward(losses)
         self.harmonize()
-        if self.distributed is not None and not self._skip_step:
-            self.distributed.finish(self._trainable())
         if self._dropped and not self._skip_step and not self._grads_finite():
             self._mark_skipped()  # the dropped objective's NaN reached the shared graph
         skipped, self._skip_step, self._window_weights = self._skip_step, False, None

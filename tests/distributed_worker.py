@@ -19,6 +19,7 @@ import torch.distributed as dist
 import mogo
 
 K, BATCH, STEPS = 3, 16, 5
+CLIP = 0.05  # below the gradient norms, so clipping acts
 
 
 def build(seed: int = 0) -> torch.nn.Module:
@@ -45,10 +46,11 @@ def make_optimizer(model, every, distributed=None, nonfinite="raise") -> mogo.Ha
     )
 
 
-def train(model, opt, rank=0, world=1, nan_at=None, spread=False) -> dict:
+def train(model, opt, rank=0, world=1, nan_at=None, spread=False, clip=None) -> dict:
     """STEPS steps on this rank's slice of the batch; NaN in objective 1 on the last rank at
-    step ``nan_at`` (``spread``: into the shared graph too). Returns alpha and parameters after
-    each step, and what raised."""
+    step ``nan_at`` (``spread``: into the shared graph too); ``clip``: the gradient norm is
+    clipped between ``harmonize`` and ``step``. Returns alpha and parameters after each step,
+    and what raised."""
     alphas, params, raised = [], [], None
     # accelerate's wrapper holds ours as .optimizer
     harmonized = opt if isinstance(opt, mogo.HarmonizedOptimizer) else opt.optimizer
@@ -70,15 +72,18 @@ def train(model, opt, rank=0, world=1, nan_at=None, spread=False) -> dict:
         except FloatingPointError as error:
             raised = str(error)
             break
+        if clip is not None:
+            harmonized.harmonize()
+            torch.nn.utils.clip_grad_norm_(model.parameters(), clip)
         opt.step()
         alphas.append(harmonized.amortizer.alpha.clone())
         params.append(torch.cat([p.detach().reshape(-1) for p in model.parameters()]))
     return {"alphas": alphas, "params": params, "raised": raised}
 
 
-def train_single(every: int) -> dict:
+def train_single(every: int, clip: float | None = None) -> dict:
     model = build().double()
-    return train(model, make_optimizer(model, every))
+    return train(model, make_optimizer(model, every), clip=clip)
 
 
 def ddp_runs(rank: int, world: int) -> dict:
@@ -92,6 +97,13 @@ def ddp_runs(rank: int, world: int) -> dict:
         results[f"unwrapped_every{every}"] = train(
             model, make_optimizer(model, every, mogo.DataParallel()), rank, world
         )
+        for layout in ("ddp", "unwrapped"):
+            model = build().double()
+            if layout == "ddp":
+                model = torch.nn.parallel.DistributedDataParallel(model)
+            distributed = mogo.DataParallel(model if layout == "ddp" else None)
+            opt = make_optimizer(model, every, distributed)
+            results[f"{layout}_clip_every{every}"] = train(model, opt, rank, world, clip=CLIP)
     for policy in ("raise", "skip", "drop"):
         for nan_at in (1, 2):  # with N=2: an amortized step, then a harmonization step
             model = torch.nn.parallel.DistributedDataParallel(build().double())

@@ -62,8 +62,8 @@ def accelerate_launch(tmp_path_factory) -> list[dict]:
     return launch(command, tmp_path_factory.mktemp("accelerate"))
 
 
-def assert_matches_one_process(run: dict, every: int) -> None:
-    reference = worker.train_single(every)
+def assert_matches_one_process(run: dict, every: int, clip: float | None = None) -> None:
+    reference = worker.train_single(every, clip)
     assert len(run["params"]) == len(reference["params"]) == worker.STEPS
     for ours, theirs in zip(run["alphas"], reference["alphas"], strict=True):
         torch.testing.assert_close(ours, theirs, rtol=0, atol=1e-6)
@@ -76,6 +76,13 @@ def assert_matches_one_process(run: dict, every: int) -> None:
 def test_two_ranks_on_half_batches_match_one_process_on_the_full_batch(torchrun, layout, every):
     for rank in torchrun:
         assert_matches_one_process(rank[f"{layout}_every{every}"], every)
+
+
+@pytest.mark.parametrize("every", [1, 3])
+@pytest.mark.parametrize("layout", ["ddp", "unwrapped"])
+def test_clipping_between_harmonize_and_step_sees_the_averaged_gradients(torchrun, layout, every):
+    for rank in torchrun:
+        assert_matches_one_process(rank[f"{layout}_clip_every{every}"], every, worker.CLIP)
 
 
 @pytest.mark.parametrize("every", [1, 3])
