@@ -18,7 +18,7 @@ from typing import Any
 import torch
 from safetensors.torch import load_file, save_file
 
-__all__ = ["CheckpointError", "latest_checkpoint", "load_checkpoint", "save_checkpoint"]
+__all__ = ["CheckpointError", "checkpoint_path", "latest_checkpoint", "load_checkpoint", "save_checkpoint"]
 
 _NAME = re.compile(r"step-(\d{6,})")
 _TENSOR, _ITEMS, _TUPLE = "__tensor__", "__items__", "__tuple__"
@@ -60,11 +60,15 @@ def _unflatten(value: Any, tensors: dict[str, torch.Tensor]) -> Any:
     return value
 
 
+def checkpoint_path(directory: str | os.PathLike, step: int) -> Path:
+    """Where :func:`save_checkpoint` puts step ``step``: ``directory/step-NNNNNN``."""
+    return Path(directory) / f"step-{step:06d}"
+
+
 def save_checkpoint(directory: str | os.PathLike, step: int, state: dict[str, Any]) -> Path:
     """Write ``state`` (nested dicts, lists, tuples, scalars, tensors) as ``directory/step-N``."""
-    directory = Path(directory)
-    final = directory / f"step-{step:06d}"
-    partial = directory / f"step-{step:06d}.tmp"
+    final = checkpoint_path(directory, step)
+    partial = final.with_name(final.name + ".tmp")
     shutil.rmtree(partial, ignore_errors=True)
     partial.mkdir(parents=True)
     tensors: dict[str, torch.Tensor] = {}

@@ -35,7 +35,7 @@ from tqdm.auto import tqdm
 import mogo
 from mogo_diffusion import models
 from mogo_diffusion.advantages import per_reward_advantages, weighted_sum_advantages
-from mogo_diffusion.checkpoint import latest_checkpoint, load_checkpoint, save_checkpoint
+from mogo_diffusion.checkpoint import checkpoint_path, latest_checkpoint, load_checkpoint, save_checkpoint
 from mogo_diffusion.config import Config, ConfigError, add_config_arguments, config_from_args
 from mogo_diffusion.nft import kl_loss, nft_coefficients, nft_loss, nft_losses, nft_terms
 from mogo_diffusion.rewards import MultiReward, make_reward
@@ -54,13 +54,16 @@ DTYPES = {"float32": torch.float32, "float16": torch.float16, "bfloat16": torch.
 
 @dataclass
 class Batch:
-    """One epoch's samples: ``latents [B, C, h, w]``, ``rewards [B, K]``, prompts, embeddings."""
+    """One epoch's samples. ``prompts`` and ``rewards [B, K]`` cover all processes' samples; this
+    process's share is rows ``local`` of them, and ``latents [b, C, h, w]`` and the embeddings
+    hold only those."""
 
     prompts: list[str]
+    rewards: torch.Tensor
+    local: slice
     embeds: torch.Tensor
     pooled: torch.Tensor
     latents: torch.Tensor
-    rewards: torch.Tensor
     sigmas: torch.Tensor
     timesteps: torch.Tensor
 
@@ -109,6 +112,12 @@ class Trainer:
             torch_dtype=dtype,
         )
         self.pipeline.to(self.accelerator.device)
+        self.world = self.accelerator.num_processes
+        if config.sampling.prompts_per_epoch % self.world:
+            raise ConfigError(
+                f"sampling.prompts_per_epoch: {config.sampling.prompts_per_epoch} prompts do not split "
+                f"evenly over {self.world} processes"
+            )
         self.transformer = self.pipeline.transformer
         with torch.random.fork_rng(devices=[]):  # the adapter's Gaussian init, from the run's seed
             torch.manual_seed(config.train.seed)
@@ -157,6 +166,7 @@ class Trainer:
             nonfinite=strategy.nonfinite,
             accumulation=strategy.estimate,
             sum_weights=[spec.weight if spec.weight is not None else 1.0 for spec in self.config.rewards],
+            distributed=mogo.DataParallel() if self.world > 1 else None,
         )
 
     # ---- one epoch ----------------------------------------------------------------------------
@@ -165,15 +175,23 @@ class Trainer:
         return torch.Generator().manual_seed(self.config.train.seed * 1_000_003 + epoch)
 
     def collect(self, epoch: int) -> Batch:
-        """Sample the epoch's images with the old adapter and score them."""
+        """Sample the epoch's images with the old adapter and score them.
+
+        Every process draws the same prompts and noise; each samples and scores its own whole
+        groups (rows ``local``), and the scores are gathered, so advantages see the whole batch.
+        """
         sampling = self.config.sampling
         generator = self._generator(epoch)
         chosen = torch.randint(len(self.prompts), (sampling.prompts_per_epoch,), generator=generator)
         prompts = [self.prompts[i] for i in chosen.tolist() for _ in range(sampling.group_size)]
-        embeds, pooled = models.encode_prompts(self.pipeline, prompts, self.config.model.max_sequence_length)
+        share = len(prompts) // self.world
+        local = slice(self.accelerator.process_index * share, (self.accelerator.process_index + 1) * share)
         config = self.transformer.config
         shape = (len(prompts), config.in_channels, config.sample_size, config.sample_size)
-        noise = torch.randn(shape, generator=generator)
+        noise = torch.randn(shape, generator=generator)[local]
+        embeds, pooled = models.encode_prompts(
+            self.pipeline, prompts[local], self.config.model.max_sequence_length
+        )
         latents, images = [], []
         with models.adapter(self.transformer, models.OLD):
             for start in range(0, len(prompts), sampling.batch_size):
@@ -185,11 +203,12 @@ class Trainer:
                 latents.append(samples.latents)
                 with torch.no_grad():
                     images.append(decode(self.pipeline.vae, samples.latents))
-        scores = self.rewards(torch.cat(images), prompts)
+        scores = self.rewards(torch.cat(images), prompts[local]).values.to(self.accelerator.device)
+        if self.world > 1:
+            scores = self.accelerator.gather(scores.contiguous())
         return Batch(
-            prompts, embeds, pooled, torch.cat(latents), scores.values.to(self.accelerator.device),
-            samples.sigmas, samples.timesteps,
-        )  # fmt: skip
+            prompts, scores, local, embeds, pooled, torch.cat(latents), samples.sigmas, samples.timesteps
+        )
 
     def active_rewards(self, epoch: int) -> list[int]:
         """The rewards the strategy trains on in ``epoch`` (all of them but for sequential/single)."""
@@ -227,13 +246,13 @@ class Trainer:
         start = time.perf_counter()
         batch = self.collect(epoch)
         sampled = time.perf_counter()
-        advantages = self.advantages(batch, epoch)
+        advantages = self.advantages(batch, epoch)[batch.local]
         train = self.config.train
         generator = self._generator(epoch)
         generator.manual_seed(generator.initial_seed() + 1)  # a stream apart from the sampling draws
         steps = len(batch.timesteps)
         count = max(1, int(train.timestep_fraction * steps))
-        order = torch.randperm(len(batch.prompts), generator=generator)
+        order = torch.randperm(len(batch.latents), generator=generator)
         kls = []
         for begin in range(0, len(order), train.batch_size):
             index = order[begin : begin + train.batch_size]
@@ -242,9 +261,11 @@ class Trainer:
             self.optimizer.zero_grad()
             for j, eps in zip(chosen.tolist(), noise, strict=True):
                 kls.append(self._backward(batch, index, advantages[index], j, eps.to(batch.latents)))
+            if isinstance(self.optimizer, mogo.HarmonizedOptimizer):
+                self.optimizer.harmonize()  # .grad final (and averaged over processes) before clipping
+            elif self.world > 1:
+                self._average_gradients()
             if train.grad_clip is not None:
-                if isinstance(self.optimizer, mogo.HarmonizedOptimizer):
-                    self.optimizer.harmonize()
                 torch.nn.utils.clip_grad_norm_(self.params, train.grad_clip)
             self.optimizer.step()
         decay = min(train.old_decay_rate * epoch, train.old_decay_max)
@@ -255,12 +276,19 @@ class Trainer:
         seconds = time.perf_counter() - start
         return self._metrics(epoch, batch, kls, seconds, sampled - start)
 
+    def _average_gradients(self) -> None:
+        """Average ``.grad`` over the processes, in one all-reduce."""
+        grads = [p.grad for p in self.params if p.grad is not None]
+        averaged = self.accelerator.reduce(torch.cat([g.reshape(-1) for g in grads]), reduction="mean")
+        for grad, part in zip(grads, averaged.split([g.numel() for g in grads]), strict=True):
+            grad.copy_(part.view_as(grad))
+
     def _backward(
         self, batch: Batch, index: torch.Tensor, advantages: torch.Tensor, j: int, eps: torch.Tensor
     ) -> float:
         """One trained timestep ``t = sigma_j`` of one training batch: forward(s) and backward."""
         nft = self.config.nft
-        x0 = batch.latents[index]
+        x0 = batch.latents[index]  # index: rows of this process's share
         t = float(batch.sigmas[j])
         x_t = (1 - t) * x0 + t * eps
         inputs = {
@@ -328,8 +356,13 @@ class Trainer:
         }
 
     def save(self) -> Path:
-        path = save_checkpoint(self.out / "checkpoints", self.epoch, self.state())
-        models.save_lora(self.transformer, path / "lora")
+        """Write a checkpoint (on the main process; every process has the same state) and return
+        its path."""
+        path = checkpoint_path(self.out / "checkpoints", self.epoch)
+        if self.accelerator.is_main_process:
+            save_checkpoint(self.out / "checkpoints", self.epoch, self.state())
+            models.save_lora(self.transformer, path / "lora")
+        self.accelerator.wait_for_everyone()
         return path
 
     def resume(self, path: str | Path) -> None:
@@ -363,12 +396,20 @@ class Trainer:
         """Train until ``epochs`` (default ``train.epochs``) epochs are done; returns their metrics."""
         train = self.config.train
         end = train.epochs if epochs is None else epochs
-        self.out.mkdir(parents=True, exist_ok=True)
-        self.config.save(self.out / "config.yaml")
+        main = self.accelerator.is_main_process
+        if main:
+            self.out.mkdir(parents=True, exist_ok=True)
+            self.config.save(self.out / "config.yaml")
         if self.accelerator.log_with:
             self.accelerator.init_trackers("mogo_diffusion", config=_hyperparameters(self.config))
         history = []
-        progress = tqdm(range(self.epoch, end), initial=self.epoch, total=end, desc="epochs", disable=None)
+        progress = tqdm(
+            range(self.epoch, end),
+            initial=self.epoch,
+            total=end,
+            desc="epochs",
+            disable=None if main else True,
+        )
         for epoch in progress:
             metrics = self.train_epoch(epoch)
             self.epoch = epoch + 1
@@ -376,13 +417,14 @@ class Trainer:
             progress.set_postfix(
                 {k.split("/")[-1]: f"{v:.3g}" for k, v in metrics.items() if k.startswith("reward/")}
             )
-            if epoch % train.log_every == 0 or self.epoch == end:
+            if main and (epoch % train.log_every == 0 or self.epoch == end):
                 with self.metrics_path.open("a") as file:
                     file.write(json.dumps(metrics) + "\n")
                 self.accelerator.log({k: v for k, v in metrics.items() if k != "epoch"}, step=epoch)
             if self.epoch % train.checkpoint_every == 0 or self.epoch == end:
                 self.save()
-        self.accelerator.end_training()
+        for tracker in self.accelerator.trackers:  # end_training would also end the process group
+            tracker.finish()
         return history
 
 
@@ -401,6 +443,7 @@ def main(argv: list[str] | None = None) -> None:
     if args.resume:
         trainer.resume(args.resume)
     trainer.train()
+    trainer.accelerator.end_training()
 
 
 if __name__ == "__main__":

@@ -6,11 +6,6 @@ ranks saved and compare them with each other and with one process on the full ba
 
 from __future__ import annotations
 
-import os
-import signal
-import socket
-import subprocess
-import sys
 from pathlib import Path
 
 import pytest
@@ -18,48 +13,23 @@ import torch
 
 import mogo
 from tests import distributed_worker as worker
+from tests.launch import accelerate_launch as launch_accelerate
+from tests.launch import launch
+from tests.launch import torchrun as launch_torchrun
 
-WORKER = Path(worker.__file__)
-TIMEOUT_S = 240
-
-
-def launch(command: list[str], out: Path) -> list[dict]:
-    """Run a two-process launch with a deadline (a hang fails the test, it does not stall CI)
-    and load what each rank saved."""
-    env = {**os.environ, "OMP_NUM_THREADS": "1", "PYTHONPATH": str(WORKER.parents[1])}
-    process = subprocess.Popen(
-        [*command, str(WORKER), str(out), *([] if "torch.distributed.run" in command else ["--accelerate"])],
-        stdout=subprocess.PIPE, stderr=subprocess.STDOUT, text=True, env=env, start_new_session=True,
-    )  # fmt: skip
-    try:
-        output, _ = process.communicate(timeout=TIMEOUT_S)
-    except subprocess.TimeoutExpired:
-        os.killpg(process.pid, signal.SIGKILL)
-        pytest.fail(f"the two-process run did not finish in {TIMEOUT_S} s: {' '.join(command)}")
-    assert process.returncode == 0, output[-4000:]
-    return [torch.load(out / f"rank{rank}.pt", weights_only=True) for rank in range(2)]
-
-
-def free_port() -> int:
-    with socket.socket() as sock:
-        sock.bind(("127.0.0.1", 0))
-        return sock.getsockname()[1]
+WORKER = str(Path(worker.__file__))
 
 
 @pytest.fixture(scope="module")
 def torchrun(tmp_path_factory) -> list[dict]:
-    command = [sys.executable, "-m", "torch.distributed.run", "--standalone", "--nproc_per_node", "2"]
-    return launch(command, tmp_path_factory.mktemp("torchrun"))
+    out = tmp_path_factory.mktemp("torchrun")
+    return launch([*launch_torchrun(), WORKER, str(out)], out)
 
 
 @pytest.fixture(scope="module")
 def accelerate_launch(tmp_path_factory) -> list[dict]:
-    command = [
-        sys.executable, "-m", "accelerate.commands.launch", "--multi_gpu", "--num_processes", "2",
-        "--num_machines", "1", "--mixed_precision", "no", "--dynamo_backend", "no",
-        "--main_process_port", str(free_port()),
-    ]  # fmt: skip
-    return launch(command, tmp_path_factory.mktemp("accelerate"))
+    out = tmp_path_factory.mktemp("accelerate")
+    return launch([*launch_accelerate(), WORKER, str(out), "--accelerate"], out)
 
 
 def assert_matches_one_process(run: dict, every: int, clip: float | None = None) -> None:

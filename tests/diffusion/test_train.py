@@ -3,6 +3,7 @@
 from __future__ import annotations
 
 import json
+from pathlib import Path
 
 import pytest
 import torch
@@ -11,9 +12,13 @@ from accelerate.utils import LoggerType
 from diffusers import StableDiffusion3Pipeline
 
 from mogo_diffusion import models
-from mogo_diffusion.checkpoint import CheckpointError
+from mogo_diffusion.checkpoint import CheckpointError, load_checkpoint
 from mogo_diffusion.config import Config, ConfigError
 from mogo_diffusion.train import Trainer, main
+from tests.diffusion import train_worker
+from tests.launch import accelerate_launch, launch
+
+WORKER = Path(train_worker.__file__)
 
 REWARDS = [
     {"name": "jpeg_compressibility", "weight": 1.0},
@@ -181,3 +186,24 @@ def test_an_unknown_or_missing_tracker_is_named(tiny_dir, tmp_path):
         pytest.skip("every accelerate tracker is installed here")
     with pytest.raises(ConfigError, match=rf"tracker '{missing[0]}' needs its package"):
         Trainer(config(tiny_dir, tmp_path, "single", log_with=missing[:1]))
+
+
+def test_two_processes_sample_their_share_and_stay_identical(tiny_dir, tmp_path):
+    """Under ``accelerate launch`` each process samples half of the groups: the gathered rewards
+    equal one process's, and averaged gradients keep the ranks' adapters identical."""
+    paths = []
+    for strategy in ("marble", "weighted_sum"):  # marble: a harmonization, then an amortized step
+        paths.append(tmp_path / f"{strategy}.yaml")
+        config(tiny_dir, tmp_path / strategy, strategy, batch_size=2).save(paths[-1])
+    command = [*accelerate_launch(), str(WORKER), str(tmp_path), *map(str, paths)]
+    ranks = launch(command, tmp_path, env={"ACCELERATE_USE_CPU": "1"})  # as `accelerate launch --cpu`
+    for path in paths:
+        first, second = (rank[path.stem] for rank in ranks)
+        assert torch.equal(first["params"], second["params"])
+        single = Trainer(config(tiny_dir, tmp_path / "single" / path.stem, path.stem, batch_size=2, epochs=1))
+        assert not torch.equal(first["params"], lora_vector(single))
+        (epoch0,) = single.train()
+        expected = torch.tensor([epoch0[f"reward/{name}"] for name in single.names])
+        torch.testing.assert_close(first["rewards"][0], expected)
+        saved = load_checkpoint(tmp_path / path.stem / "checkpoints" / "step-000002")
+        assert torch.equal(torch.cat([t.reshape(-1) for t in saved["trained"]]), first["params"])
