@@ -12,8 +12,10 @@ napoleon_google_docstring = True
 nitpicky = True
 # No network at build time, hence no intersphinx: references into other projects stay plain text.
 nitpick_ignore_regex = [
-    (r"py:.*", r"(torch|dist|np|numpy|collections\.abc)\..*"),
-    (r"py:class", r"(Tensor|Method|Normalization|GradMode|NonFinitePolicy)"),
+    (r"py:.*", r"(torch|dist|np|numpy|collections\.abc|os|pathlib|argparse|contextlib)\..*"),
+    (r"py:.*", r"(diffusers|transformers|accelerate|peft|PIL)\..*"),
+    (r"py:class", r"(Tensor|Method|Normalization|GradMode|NonFinitePolicy|Accelerator)"),
+    (r"py:class", r"mogo_diffusion\.rewards\.registry\.F"),  # a TypeVar
 ]
 exclude_patterns = ["_build", "_generated"]
 html_theme = "alabaster"

@@ -41,7 +41,7 @@ from mogo_diffusion.nft import kl_loss, nft_coefficients, nft_loss, nft_losses, 
 from mogo_diffusion.rewards import MultiReward, make_reward
 from mogo_diffusion.sampling import decode, sample
 
-__all__ = ["DEFAULT_PROMPTS", "Trainer", "main"]
+__all__ = ["DEFAULT_PROMPTS", "Batch", "Trainer", "main"]
 
 DEFAULT_PROMPTS = tuple(
     f"a {color} {shape} on a {background} background"

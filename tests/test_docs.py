@@ -2,6 +2,7 @@
 
 from __future__ import annotations
 
+import importlib
 import re
 from pathlib import Path
 
@@ -27,3 +28,31 @@ def test_readme_example_runs(block, tmp_path, monkeypatch):
 def test_public_name_is_in_the_api_reference(name):
     api = (ROOT / "docs" / "api.rst").read_text()
     assert re.search(rf"auto\w+:: mogo\.{name}\b", api), f"mogo.{name} is missing from docs/api.rst"
+
+
+DIFFUSION_MODULES = (
+    "models",
+    "tokenizers",
+    "sampling",
+    "nft",
+    "advantages",
+    "rewards",
+    "config",
+    "checkpoint",
+    "train",
+)
+
+
+def _diffusion_names() -> list[str]:
+    pytest.importorskip("diffusers")
+    names = []
+    for module in DIFFUSION_MODULES:
+        public = importlib.import_module(f"mogo_diffusion.{module}").__all__
+        names += [f"{module}.{name}" for name in public]
+    return names
+
+
+@pytest.mark.parametrize("name", _diffusion_names())
+def test_diffusion_public_name_is_in_the_api_reference(name):
+    api = (ROOT / "docs" / "api_diffusion.rst").read_text()
+    assert re.search(rf"(auto\w+|data):: mogo_diffusion\.{re.escape(name)}\b", api), f"{name} is missing"
