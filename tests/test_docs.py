@@ -40,6 +40,7 @@ DIFFUSION_MODULES = (
     "config",
     "checkpoint",
     "train",
+    "evaluate",
 )
 
 

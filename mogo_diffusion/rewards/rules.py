@@ -102,7 +102,8 @@ class ColorMatch:
     (not applicable) for a sample that names no colour.
 
     Args:
-        palette: colour names to RGB triples in ``[0, 1]``; :data:`~mogo_diffusion.rewards.PALETTE` by default.
+        palette: colour names to RGB triples in ``[0, 1]``;
+            :data:`~mogo_diffusion.rewards.PALETTE` by default.
     """
 
     name = "color_match"
