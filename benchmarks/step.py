@@ -94,8 +94,8 @@ def strategies(
     def floor() -> None:
         sgd.zero_grad()
         losses = objective_losses(model, x, y)
-        for k in range(K):
-            torch.autograd.grad(losses[k], params, retain_graph=k < K - 1)
+        for k in range(K):  # K backward passes into .grad, so that the step updates like the others
+            losses[k].backward(retain_graph=k < K - 1)
         sgd.step()
 
     def mogo_step(every: int, mode: str, micro_batches: int = 1) -> Callable[[], None]:

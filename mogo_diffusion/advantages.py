@@ -30,7 +30,7 @@ from typing import Literal
 import torch
 from torch import Tensor
 
-__all__ = ["StdScope", "per_reward_advantages", "weighted_sum_advantages"]
+__all__ = ["StdScope", "per_reward_advantages", "weighted_sum_advantages", "zscore_rewards"]
 
 StdScope = Literal["batch", "group"]
 
@@ -168,3 +168,23 @@ def weighted_sum_advantages(
         total[:, None], group_ids, std_scope=std_scope, adv_clip=adv_clip, eps=eps
     )
     return advantages[:, 0].to(rewards.dtype)
+
+
+def zscore_rewards(rewards: Tensor, *, eps: float = 1e-4, names: Sequence[str] | None = None) -> Tensor:
+    """Each reward standardised over the batch: ``Z_ik = (R_ik - mean_k) / (std_k + eps)``.
+
+    Means and population stds are over the applicable (non-NaN) samples of reward k, in float64;
+    NaN stays NaN. A weighted sum of these (``strategy.reward_scale: zscore``) weighs rewards on
+    different scales alike.
+
+    Returns:
+        ``[B, K]`` in ``rewards``' dtype and device.
+    """
+    _check_rewards(rewards, names)
+    R = rewards.detach().to(torch.float64)
+    valid = ~torch.isnan(R)
+    n = valid.sum(dim=0).clamp_min(1)
+    mean = torch.where(valid, R, 0.0).sum(dim=0) / n
+    deviation = torch.where(valid, R - mean, 0.0)
+    std = (deviation.square().sum(dim=0) / n).sqrt()
+    return torch.where(valid, deviation / (std + eps), float("nan")).to(rewards.dtype)

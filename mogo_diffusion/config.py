@@ -108,7 +108,9 @@ class SamplingConfig:
         resolution: image side in pixels, a multiple of 16.
         group_size: images per prompt, G >= 2 (advantages are relative to the group).
         prompts_per_epoch: prompt groups sampled per epoch.
-        prompts: a text file of prompts, one per line; None for a small built-in set.
+        prompts: the training prompts, a source of :func:`mogo_diffusion.prompts.load_prompt_set`
+            (a text file, a GenEval ``.jsonl``, ``shapes:train``); None for a small built-in set.
+        eval_prompts: the held-out prompts of the evaluation, a source as ``prompts``; None: none.
         batch_size: images per sampler call.
     """
 
@@ -119,6 +121,7 @@ class SamplingConfig:
     group_size: int = _field(24, check=(">= 2", lambda x: x >= 2))
     prompts_per_epoch: int = _field(48, check=POSITIVE)
     prompts: str | None = None
+    eval_prompts: str | None = None
     batch_size: int = _field(9, check=POSITIVE)
 
 
@@ -172,6 +175,8 @@ class StrategyConfig:
         reward: the single strategy's reward.
         estimate: an optimizer step accumulates one ``backward`` per trained timestep; alpha is
             estimated on the ``"first"`` of them or on the whole ``"window"``.
+        reward_scale: the weighted sum adds the ``"raw"`` rewards or their batch ``"zscore"``-s
+            (:func:`mogo_diffusion.advantages.zscore_rewards`).
         grad_mode, nonfinite: passed to :class:`mogo.HarmonizedOptimizer`.
     """
 
@@ -181,6 +186,7 @@ class StrategyConfig:
     stages: list[StageConfig] = field(default_factory=list)
     reward: str | None = None
     estimate: Literal["first", "window"] = "first"
+    reward_scale: Literal["raw", "zscore"] = "raw"
     grad_mode: Literal["auto", "batched", "sequential"] = "auto"
     nonfinite: Literal["raise", "skip", "drop"] = "raise"
 
@@ -495,9 +501,12 @@ def _set(data: dict[str, Any], override: str) -> None:
             raise ConfigError(f"{where}: cannot set a key inside {type(node).__name__} {node!r}")
 
 
-def load_config(path: str | os.PathLike | None = None, overrides: Sequence[str] = ()) -> Config:
-    """The defaults, updated by the YAML file at ``path`` (if given), then by ``overrides``."""
-    data = Config().to_dict()
+def load_config(
+    path: str | os.PathLike | None = None, overrides: Sequence[str] = (), defaults: Config | None = None
+) -> Config:
+    """``defaults`` (:class:`Config`'s own if None), updated by the YAML file at ``path`` (if
+    given), then by ``overrides``."""
+    data = (defaults or Config()).to_dict()
     if path is not None:
         path = Path(path)
         if not path.is_file():
@@ -525,6 +534,6 @@ def add_config_arguments(parser: argparse.ArgumentParser) -> argparse.ArgumentPa
     return parser
 
 
-def config_from_args(args: argparse.Namespace) -> Config:
-    """The config of a namespace parsed with :func:`add_config_arguments`."""
-    return load_config(args.config, args.overrides)
+def config_from_args(args: argparse.Namespace, defaults: Config | None = None) -> Config:
+    """The config of a namespace parsed with :func:`add_config_arguments`, over ``defaults``."""
+    return load_config(args.config, args.overrides, defaults)

@@ -13,6 +13,11 @@ Strategies share the loop:
 
 Every random draw of an epoch comes from a generator seeded by ``(seed, epoch)``, so a run resumed
 from a checkpoint continues exactly as the uninterrupted run does.
+
+Every ``train.eval_every`` epochs (and after the last) the evaluation EMA samples
+``sampling.eval_prompts`` with fixed noise, the same in every run, and the rewards' means are
+logged as ``eval/{name}``. The run directory gets ``config.yaml``, ``metrics.jsonl``,
+``checkpoints/``, and at the end ``samples.png`` (the last evaluation's images) and ``curves.png``.
 """
 
 from __future__ import annotations
@@ -22,7 +27,7 @@ import json
 import math
 import time
 from collections.abc import Sequence
-from dataclasses import dataclass
+from dataclasses import dataclass, replace
 from pathlib import Path
 from typing import Any
 
@@ -34,14 +39,16 @@ from tqdm.auto import tqdm
 
 import mogo
 from mogo_diffusion import models
-from mogo_diffusion.advantages import per_reward_advantages, weighted_sum_advantages
+from mogo_diffusion.advantages import per_reward_advantages, weighted_sum_advantages, zscore_rewards
 from mogo_diffusion.checkpoint import checkpoint_path, latest_checkpoint, load_checkpoint, save_checkpoint
 from mogo_diffusion.config import Config, ConfigError, add_config_arguments, config_from_args
+from mogo_diffusion.evaluate import nan_mean, plot_run, save_grid
 from mogo_diffusion.nft import kl_loss, nft_coefficients, nft_loss, nft_losses, nft_terms
+from mogo_diffusion.prompts import PromptSet, load_prompt_set
 from mogo_diffusion.rewards import MultiReward, make_reward
-from mogo_diffusion.sampling import decode, sample
+from mogo_diffusion.sampling import Samples, decode, sample
 
-__all__ = ["DEFAULT_PROMPTS", "Batch", "Trainer", "main"]
+__all__ = ["DEFAULT_PROMPTS", "EVAL_SEED", "Batch", "Trainer", "main"]
 
 DEFAULT_PROMPTS = tuple(
     f"a {color} {shape} on a {background} background"
@@ -50,15 +57,19 @@ DEFAULT_PROMPTS = tuple(
     for background in ("white", "black")
 )
 DTYPES = {"float32": torch.float32, "float16": torch.float16, "bfloat16": torch.bfloat16}
+EVAL_SEED = 20_240_601
+"""The seed of the evaluation noise, the same for every run and seed, so that runs compare sample
+by sample."""
 
 
 @dataclass
 class Batch:
-    """One epoch's samples. ``prompts`` and ``rewards [B, K]`` cover all processes' samples; this
-    process's share is rows ``local`` of them, and ``latents [b, C, h, w]`` and the embeddings
-    hold only those."""
+    """One epoch's samples. ``prompts``, their ``metadata`` and ``rewards [B, K]`` cover all
+    processes' samples; this process's share is rows ``local`` of them, and
+    ``latents [b, C, h, w]`` and the embeddings hold only those."""
 
     prompts: list[str]
+    metadata: list[dict[str, Any]]
     rewards: torch.Tensor
     local: slice
     embeds: torch.Tensor
@@ -136,21 +147,25 @@ class Trainer:
             [make_reward(spec.name, **spec.options) for spec in config.rewards],
             threads=config.train.reward_threads,
         ).to(self.accelerator.device)
-        self.prompts = self._load_prompts()
+        self.prompts = self._load_prompts(config.sampling.prompts, "sampling.prompts")
+        self.eval_prompts = (
+            None
+            if config.sampling.eval_prompts is None
+            else self._load_prompts(config.sampling.eval_prompts, "sampling.eval_prompts")
+        )
+        self.eval_images: torch.Tensor | None = None
         self.optimizer = self._make_optimizer()
         self.epoch = 0
         self.metrics_path = self.out / "metrics.jsonl"
 
-    def _load_prompts(self) -> list[str]:
-        path = self.config.sampling.prompts
-        if path is None:
-            return list(DEFAULT_PROMPTS)
-        if not Path(path).is_file():
-            raise ConfigError(f"sampling.prompts: file {path!r} does not exist")
-        prompts = [line.strip() for line in Path(path).read_text().splitlines() if line.strip()]
-        if not prompts:
-            raise ConfigError(f"sampling.prompts: file {path!r} has no prompts")
-        return prompts
+    @staticmethod
+    def _load_prompts(source: str | None, field: str) -> PromptSet:
+        if source is None:
+            return PromptSet(list(DEFAULT_PROMPTS), [{} for _ in DEFAULT_PROMPTS])
+        try:
+            return load_prompt_set(source)
+        except (OSError, ValueError) as error:
+            raise ConfigError(f"{field}: {error}") from None
 
     def _make_optimizer(self) -> torch.optim.Optimizer:
         train, strategy = self.config.train, self.config.strategy
@@ -182,8 +197,10 @@ class Trainer:
         """
         sampling = self.config.sampling
         generator = self._generator(epoch)
-        chosen = torch.randint(len(self.prompts), (sampling.prompts_per_epoch,), generator=generator)
-        prompts = [self.prompts[i] for i in chosen.tolist() for _ in range(sampling.group_size)]
+        chosen = torch.randint(len(self.prompts.prompts), (sampling.prompts_per_epoch,), generator=generator)
+        rows = [i for i in chosen.tolist() for _ in range(sampling.group_size)]
+        prompts = [self.prompts.prompts[i] for i in rows]
+        metadata = [self.prompts.metadata[i] for i in rows]
         share = len(prompts) // self.world
         local = slice(self.accelerator.process_index * share, (self.accelerator.process_index + 1) * share)
         config = self.transformer.config
@@ -192,23 +209,68 @@ class Trainer:
         embeds, pooled = models.encode_prompts(
             self.pipeline, prompts[local], self.config.model.max_sequence_length
         )
-        latents, images = [], []
         with models.adapter(self.transformer, models.OLD):
-            for start in range(0, len(prompts), sampling.batch_size):
-                part = slice(start, start + sampling.batch_size)
-                samples = sample(
-                    self.transformer, self.pipeline.scheduler, embeds[part], pooled[part], sampling.num_steps,
-                    latents=noise[part], solver=sampling.solver,
-                )  # fmt: skip
-                latents.append(samples.latents)
-                with torch.no_grad():
-                    images.append(decode(self.pipeline.vae, samples.latents))
-        scores = self.rewards(torch.cat(images), prompts[local]).values.to(self.accelerator.device)
+            samples, images = self._sample(embeds, pooled, noise, sampling.num_steps)
+        scores = self.rewards(images, prompts[local], metadata[local]).values.to(self.accelerator.device)
         if self.world > 1:
             scores = self.accelerator.gather(scores.contiguous())
         return Batch(
-            prompts, scores, local, embeds, pooled, torch.cat(latents), samples.sigmas, samples.timesteps
+            prompts,
+            metadata,
+            scores,
+            local,
+            embeds,
+            pooled,
+            samples.latents,
+            samples.sigmas,
+            samples.timesteps,
         )
+
+    def _sample(
+        self, embeds: torch.Tensor, pooled: torch.Tensor, noise: torch.Tensor, num_steps: int
+    ) -> tuple[Samples, torch.Tensor]:
+        """Sample ``noise`` in batches of ``sampling.batch_size`` with the selected adapter;
+        returns the samples (all latents, the grid) and the decoded images ``[B, 3, H, W]``."""
+        sampling = self.config.sampling
+        latents, images = [], []
+        for start in range(0, len(noise), sampling.batch_size):
+            part = slice(start, start + sampling.batch_size)
+            samples = sample(
+                self.transformer, self.pipeline.scheduler, embeds[part], pooled[part], num_steps,
+                latents=noise[part], solver=sampling.solver,
+            )  # fmt: skip
+            latents.append(samples.latents)
+            with torch.no_grad():
+                images.append(decode(self.pipeline.vae, samples.latents))
+        return replace(samples, latents=torch.cat(latents)), torch.cat(images)
+
+    def evaluate(self) -> dict[str, float]:
+        """The evaluation EMA's mean rewards on ``sampling.eval_prompts`` (``eval/{name}``), from
+        noise seeded by :data:`EVAL_SEED`; keeps the images in ``eval_images``. On the main process
+        only (the others return ``{}``); empty without eval prompts."""
+        if self.eval_prompts is None or not self.accelerator.is_main_process:
+            return {}
+        prompts, metadata = self.eval_prompts
+        config = self.transformer.config
+        shape = (len(prompts), config.in_channels, config.sample_size, config.sample_size)
+        noise = torch.randn(shape, generator=torch.Generator().manual_seed(EVAL_SEED)).to(
+            self.accelerator.device
+        )
+        embeds, pooled = models.encode_prompts(self.pipeline, prompts, self.config.model.max_sequence_length)
+        trained = [p.detach().clone() for p in self.params]
+        with torch.no_grad():
+            for p, ema in zip(self.params, self.eval_ema, strict=True):
+                p.copy_(ema)
+        try:
+            with models.adapter(self.transformer, models.TRAINED):
+                _, images = self._sample(embeds, pooled, noise, self.config.sampling.eval_num_steps)
+        finally:
+            with torch.no_grad():
+                for p, value in zip(self.params, trained, strict=True):
+                    p.copy_(value)
+        self.eval_images = images
+        means = nan_mean(self.rewards(images, prompts, metadata).values)
+        return {f"eval/{name}": float(m) for name, m in zip(self.names, means, strict=True)}
 
     def active_rewards(self, epoch: int) -> list[int]:
         """The rewards the strategy trains on in ``epoch`` (all of them but for sequential/single)."""
@@ -233,9 +295,12 @@ class Trainer:
             return per_reward_advantages(batch.rewards, groups, **options)
         if strategy.name == "weighted_sum":
             weights = torch.tensor([spec.weight for spec in self.config.rewards], dtype=batch.rewards.dtype)
-            return weighted_sum_advantages(
-                batch.rewards, weights, groups, nan=nft.weighted_sum_nan, **options
-            )[:, None]
+            rewards = batch.rewards
+            if strategy.reward_scale == "zscore":
+                rewards = zscore_rewards(rewards, names=self.names)
+            return weighted_sum_advantages(rewards, weights, groups, nan=nft.weighted_sum_nan, **options)[
+                :, None
+            ]
         (k,) = self.active_rewards(epoch)
         return per_reward_advantages(
             batch.rewards[:, k : k + 1], groups, **{**options, "names": [self.names[k]]}
@@ -335,11 +400,10 @@ class Trainer:
                     for n, a in zip(self.names, self.optimizer.amortizer.alpha, strict=True)
                 }
             )
-            metrics["conflict_rate"] = self.optimizer.meter.conflict_rate
-            if self.optimizer.last_report is not None:
-                metrics["worst_cosine_weighted_sum"] = float(
-                    self.optimizer.last_report.weighted_sum_cosines.min()
-                )
+            meter = self.optimizer.meter  # over the run's harmonization steps so far
+            metrics["conflict_rate"] = meter.conflict_rate
+            metrics["worst_cosine_weighted_sum"] = meter.worst_weighted_sum_cosine
+            metrics["worst_cosine_marble"] = meter.worst_harmonized_cosine
         return metrics
 
     # ---- checkpoints ---------------------------------------------------------------------------
@@ -413,6 +477,8 @@ class Trainer:
         for epoch in progress:
             metrics = self.train_epoch(epoch)
             self.epoch = epoch + 1
+            if self.epoch % train.eval_every == 0 or self.epoch == end:
+                metrics.update(self.evaluate())
             history.append(metrics)
             progress.set_postfix(
                 {k.split("/")[-1]: f"{v:.3g}" for k, v in metrics.items() if k.startswith("reward/")}
@@ -425,19 +491,34 @@ class Trainer:
                 self.save()
         for tracker in self.accelerator.trackers:  # end_training would also end the process group
             tracker.finish()
+        if main and history:
+            if self.eval_images is not None:
+                save_grid(self.eval_images, self.out / "samples.png")
+            plot_run(self.out)
+        self.accelerator.wait_for_everyone()
         return history
 
 
 def main(argv: list[str] | None = None) -> None:
+    """The command. Without ``--config`` it runs the embedded default,
+    :func:`mogo_diffusion.shapes.recipe.shapes_config` (MARBLE on the shapes world); ``--set``
+    overrides apply over either."""
     parser = argparse.ArgumentParser(
-        prog="python -m mogo_diffusion.train", description=__doc__.splitlines()[0]
+        prog="python -m mogo_diffusion.train",
+        description=__doc__.splitlines()[0]
+        + " Without --config: MARBLE on the embedded shapes world (about 10 minutes on 2 CPU cores).",
     )
     add_config_arguments(parser)
     parser.add_argument("--resume", default=None, help="'latest' or a checkpoint directory")
     args = parser.parse_args(argv)
     try:
-        config = config_from_args(args)
-    except ConfigError as error:
+        defaults = None
+        if args.config is None:
+            from mogo_diffusion.shapes.recipe import shapes_config
+
+            defaults = shapes_config()
+        config = config_from_args(args, defaults)
+    except (ConfigError, FileNotFoundError) as error:
         parser.error(str(error))
     trainer = Trainer(config)
     if args.resume:

@@ -41,6 +41,17 @@ DIFFUSION_MODULES = (
     "checkpoint",
     "train",
     "evaluate",
+    "prompts",
+    "rewards.clip",
+    "rewards.hps",
+    "rewards.ocr",
+    "rewards.geneval",
+    "rewards.shapes",
+    "shapes.scenes",
+    "shapes.detect",
+    "shapes.pretrain",
+    "shapes.recipe",
+    "compare",
 )
 
 

@@ -40,7 +40,7 @@ _LUMA = (0.299, 0.587, 0.114)  # ITU-R BT.601
 
 @register_reward("jpeg_compressibility")
 class JpegCompressibility:
-    """Minus the JPEG file size in kB (1 kB = 1000 bytes), as in DDPO and Flow-GRPO.
+    """Minus the JPEG file size in kB (1 kB = 1000 bytes), as in DDPO (Flow-GRPO divides by 500).
 
     Each image is rounded to 8 bits and encoded by PIL at ``quality`` (1 to 100, default 95). A
     flat image scores near 0; noise scores much lower.

@@ -10,7 +10,7 @@ import torch
 from hypothesis import given
 from hypothesis import strategies as st
 
-from mogo_diffusion.advantages import per_reward_advantages, weighted_sum_advantages
+from mogo_diffusion.advantages import per_reward_advantages, weighted_sum_advantages, zscore_rewards
 
 NAN = float("nan")
 
@@ -195,3 +195,18 @@ def test_weighted_sum_nan_policy():
         weighted_sum_advantages(R, [1.0, NAN], [0, 0, 0])
     with pytest.raises(ValueError, match="nan must be"):
         weighted_sum_advantages(R, [1.0, 1.0], [0, 0, 0], nan="skip")
+
+
+@given(batches(), st.floats(0.01, 100), st.floats(-100, 100))
+def test_zscores_standardise_each_reward_and_forget_its_scale(batch, scale, shift):
+    R, _ = batch
+    Z = zscore_rewards(R, eps=1e-12)
+    assert torch.equal(torch.isnan(Z), torch.isnan(R))
+    for k in range(R.shape[1]):
+        valid = ~torch.isnan(R[:, k])
+        column = R[valid, k].numpy()
+        expected = (column - column.mean()) / (column.std() + 1e-12) if len(column) else column
+        np.testing.assert_allclose(Z[valid, k].numpy(), expected, rtol=1e-9, atol=1e-9)
+        if len(column) and column.std() > 0:  # affine invariance: the weighted sum sees no scale
+            moved = zscore_rewards(scale * R + shift, eps=1e-12)[valid, k]
+            np.testing.assert_allclose(moved.numpy(), Z[valid, k].numpy(), rtol=1e-6, atol=1e-6)

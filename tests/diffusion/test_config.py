@@ -161,7 +161,7 @@ def test_programmatic_config_is_validated():
             ["rewards.0.name=sharpnes"],
             "rewards.0.name: unknown reward 'sharpnes' (did you mean 'sharpness'?)",
         ),
-        (["rewards.0.name=nope"], "Known rewards: color_match, jpeg_compressibility, sharpness"),
+        (["rewards.0.name=nope"], "Known rewards: aesthetic, clipscore, color_match, geneval"),
         (
             ["rewards.1.name=jpeg_compressibility"],
             "rewards.1.name: 'jpeg_compressibility' is already rewards.0",
@@ -237,7 +237,7 @@ def test_errors_name_the_field(overrides, message):
 
 def test_no_rewards():
     with pytest.raises(
-        ConfigError, match="rewards: at least one reward is needed; known rewards: color_match"
+        ConfigError, match="rewards: at least one reward is needed; known rewards: aesthetic, clipscore"
     ):
         load_config()
 

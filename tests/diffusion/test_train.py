@@ -207,3 +207,32 @@ def test_two_processes_sample_their_share_and_stay_identical(tiny_dir, tmp_path)
         torch.testing.assert_close(first["rewards"][0], expected)
         saved = load_checkpoint(tmp_path / path.stem / "checkpoints" / "step-000002")
         assert torch.equal(torch.cat([t.reshape(-1) for t in saved["trained"]]), first["params"])
+
+
+def test_shapes_prompts_reach_the_rewards_and_the_evaluation_uses_the_eval_ema(tiny_dir, tmp_path):
+    data = config(tiny_dir, tmp_path, "weighted_sum", eval_every=1).to_dict()
+    data["sampling"].update(prompts="shapes:train:16", eval_prompts="shapes:heldout:4")
+    data["rewards"] = [
+        {"name": name, "weight": 1.0} for name in ("shapes_color", "shapes_count", "jpeg_compressibility")
+    ]
+    data["strategy"]["reward_scale"] = "zscore"
+    trainer = Trainer(Config.from_dict(data))
+    initial = [p.clone() for p in trainer.eval_ema]
+    before = trainer.evaluate()  # shapes rewards raise without the prompts' metadata
+    history = trainer.train()
+    for record in history:
+        assert 0 <= record["eval/shapes_color"] <= 1
+        assert set(record) >= {"eval/shapes_count", "eval/jpeg_compressibility"}
+    assert (tmp_path / "samples.png").is_file()
+    assert (tmp_path / "curves.png").is_file()
+    trained = lora_vector(trainer)
+    trainer.eval_ema = initial  # the same EMA weights and fixed noise give the same evaluation
+    assert json.dumps(trainer.evaluate()) == json.dumps(before)  # NaN included
+    assert torch.equal(lora_vector(trainer), trained)  # and the trained adapter is left as it was
+
+
+def test_a_bad_prompt_source_is_named(tiny_dir, tmp_path):
+    data = config(tiny_dir, tmp_path).to_dict()
+    data["sampling"]["eval_prompts"] = "shapes:validation"
+    with pytest.raises(ConfigError, match=r"sampling\.eval_prompts: prompt source 'shapes:validation'"):
+        Trainer(Config.from_dict(data))

@@ -1,0 +1,360 @@
+"""The paper's comparison on the shapes world: ``python -m mogo_diffusion.compare``.
+
+Every arm trains from :func:`~mogo_diffusion.shapes.recipe.shapes_config` with the same budget
+(epochs, samples, optimizer) and the same seeds, and is evaluated on the same held-out prompts and
+noise (:meth:`Trainer.evaluate <mogo_diffusion.train.Trainer.evaluate>`):
+
+.. code-block:: text
+
+    base                   the pretrained model (no training; the adapter starts at zero)
+    single:<reward>        one specialist per reward
+    weighted_sum           one advantage of sum_k R_k (raw rewards, weights 1)
+    weighted_sum_z         one advantage of sum_k z(R_k) (each reward z-scored over the batch)
+    sequential             one reward at a time, stages cycling twice through the rewards
+    marble_n1              MARBLE, alpha solved at every step
+    marble_n10             MARBLE amortized: alpha re-solved every 10 steps, EMA 0.9 in between
+
+Each run is a ``python -m mogo_diffusion.train --config`` subprocess (``--jobs`` at a time, one
+thread each) in ``OUT/runs/<arm>/seed<s>``; a finished run is not rerun, so an interrupted
+comparison continues where it stopped (an unfinished run starts over). ``OUT`` then holds
+``results.json``, ``results.md`` (per-reward held-out means with their spread over seeds, the
+composite mean z-score, conflict statistics and wall-time ratios) and the figures ``pareto.png``,
+``rewards.png`` and ``alpha.png``.
+"""
+
+from __future__ import annotations
+
+import argparse
+import json
+import math
+import os
+import shutil
+import statistics
+import subprocess
+import sys
+import time
+from collections.abc import Sequence
+from concurrent.futures import ThreadPoolExecutor, as_completed
+from pathlib import Path
+from typing import Any
+
+from tqdm.auto import tqdm
+
+from mogo_diffusion.config import Config
+from mogo_diffusion.evaluate import read_metrics
+from mogo_diffusion.shapes.recipe import REWARDS, shapes_config
+
+__all__ = ["QUICK", "arm_config", "arms", "main", "summarize"]
+
+QUICK: dict[str, Any] = {
+    "sampling": {"prompts_per_epoch": 4, "group_size": 4, "eval_prompts": "shapes:heldout:16"},
+    "train": {"epochs": 2, "batch_size": 16},
+}
+"""What ``--quick`` changes: a smoke run of every arm for the test suite, not a result."""
+
+
+def arms(rewards: Sequence[str] = REWARDS) -> list[str]:
+    """The trained arms, in table order (``base`` is evaluated, not trained)."""
+    return [
+        *(f"single:{r}" for r in rewards),
+        "weighted_sum",
+        "weighted_sum_z",
+        "sequential",
+        "marble_n1",
+        "marble_n10",
+    ]
+
+
+def arm_config(arm: str, seed: int, out: Path, *, epochs: int | None = None, quick: bool = False) -> Config:
+    """The config of one arm and seed, writing to ``out``."""
+    base = shapes_config(**(QUICK if quick else {}))
+    data = base.to_dict()
+    if epochs is not None:
+        data["train"]["epochs"] = epochs
+    data["train"].update(seed=seed, out_dir=str(out), checkpoint_every=data["train"]["epochs"])
+    strategy: dict[str, Any]
+    if arm.startswith("single:"):
+        strategy = {"name": "single", "reward": arm.removeprefix("single:")}
+    elif arm in ("weighted_sum", "weighted_sum_z"):
+        strategy = {"name": "weighted_sum", "reward_scale": "zscore" if arm.endswith("_z") else "raw"}
+    elif arm == "sequential":
+        names = [spec["name"] for spec in data["rewards"]]
+        length = max(1, data["train"]["epochs"] // (2 * len(names)))
+        strategy = {"name": "sequential", "stages": [{"reward": n, "epochs": length} for n in names]}
+    elif arm == "marble_n1":
+        strategy = {"name": "marble", "harmonize_every": 1, "alpha_ema": 0.0}
+    elif arm == "marble_n10":
+        strategy = {"name": "marble", "harmonize_every": 10, "alpha_ema": 0.9}
+    else:
+        raise ValueError(f"unknown arm {arm!r}; arms: base, {', '.join(arms())}")
+    data["strategy"] = {**data["strategy"], **strategy}
+    if strategy["name"] != "marble":
+        data["strategy"].update(harmonize_every=10, alpha_ema=0.9)
+    return Config.from_dict(data)
+
+
+def _finished(run: Path, epochs: int) -> bool:
+    try:
+        records = read_metrics(run)
+    except FileNotFoundError:
+        return False
+    return bool(records) and records[-1]["epoch"] == epochs - 1 and (run / "curves.png").is_file()
+
+
+def _train(config: Config, run: Path) -> None:
+    """One run as a subprocess (one thread), its output in ``run/log.txt``; an unfinished run
+    starts over."""
+    shutil.rmtree(run, ignore_errors=True)
+    run.mkdir(parents=True)
+    config.save(run / "compare_config.yaml")
+    command = [sys.executable, "-m", "mogo_diffusion.train", "--config", str(run / "compare_config.yaml")]
+    env = {**os.environ, "OMP_NUM_THREADS": "1", "MKL_NUM_THREADS": "1", "TQDM_DISABLE": "1"}
+    with (run / "log.txt").open("w") as log:
+        done = subprocess.run(command, stdout=log, stderr=subprocess.STDOUT, env=env, check=False)
+    if done.returncode:
+        tail = (run / "log.txt").read_text().splitlines()[-15:]
+        raise RuntimeError(f"run {str(run)!r} failed (exit {done.returncode}):\n" + "\n".join(tail))
+
+
+def _evaluate_base(config: Config, path: Path) -> dict[str, float]:
+    """The pretrained model's held-out means (its zero adapter is the base model), cached at ``path``."""
+    if path.is_file():
+        return json.loads(path.read_text())
+    from mogo_diffusion.train import Trainer
+
+    trainer = Trainer(config)
+    started = time.perf_counter()
+    means = trainer.evaluate()
+    means["seconds"] = time.perf_counter() - started
+    path.parent.mkdir(parents=True, exist_ok=True)
+    path.write_text(json.dumps(means, indent=2) + "\n")
+    return means
+
+
+def _mean_std(values: Sequence[float]) -> tuple[float, float]:
+    values = [v for v in values if not math.isnan(v)]
+    if not values:
+        return math.nan, math.nan
+    return statistics.fmean(values), statistics.pstdev(values) if len(values) > 1 else 0.0
+
+
+def summarize(
+    base: dict[str, float], records: dict[str, dict[int, list[dict]]], names: Sequence[str]
+) -> dict:
+    """The comparison's numbers from the base means and each arm's per-seed metrics records.
+
+    Per reward ``r``: the held-out mean of each arm and seed (its last evaluation). The composite of
+    a run is ``mean_r (m_r - mu_r) / sigma_r`` with ``mu_r, sigma_r`` the mean and std over the arms'
+    seed-averaged means (base included); its spread is over seeds. The wall-time ratio is the
+    median epoch time of ``weighted_sum`` over the arm's.
+    """
+    table: dict[str, dict[int, list[float]]] = {"base": {0: [base[f"eval/{n}"] for n in names]}}
+    for arm, seeds in records.items():
+        table[arm] = {}
+        for seed, history in seeds.items():
+            last = [r for r in history if f"eval/{names[0]}" in r][-1]
+            table[arm][seed] = [last[f"eval/{n}"] for n in names]
+    averaged = {
+        arm: [statistics.fmean(v[k] for v in runs.values()) for k in range(len(names))]
+        for arm, runs in table.items()
+    }
+    mu = [statistics.fmean(a[k] for a in averaged.values()) for k in range(len(names))]
+    sigma = [statistics.pstdev(a[k] for a in averaged.values()) for k in range(len(names))]
+    informative = [k for k in range(len(names)) if sigma[k] > 1e-12]
+
+    def composite(values: Sequence[float]) -> float:
+        if not informative:
+            return 0.0
+        return statistics.fmean((values[k] - mu[k]) / sigma[k] for k in informative)
+
+    epoch_seconds = {
+        arm: statistics.median(r["seconds"] for history in seeds.values() for r in history)
+        for arm, seeds in records.items()
+    }
+    reference = epoch_seconds.get("weighted_sum")
+    rows = {}
+    for arm, runs in table.items():
+        row: dict[str, Any] = {"seeds": sorted(runs)}
+        for k, name in enumerate(names):
+            row[name] = _mean_std([v[k] for v in runs.values()])
+        row["composite"] = _mean_std([composite(v) for v in runs.values()])
+        if arm in records:
+            row["epoch_seconds"] = epoch_seconds[arm]
+            row["throughput_vs_weighted_sum"] = reference / epoch_seconds[arm] if reference else math.nan
+            finals = [history[-1] for history in records[arm].values()]
+            for key in ("conflict_rate", "worst_cosine_weighted_sum", "worst_cosine_marble"):
+                if key in finals[0]:
+                    row[key] = _mean_std([f[key] for f in finals])
+        rows[arm] = row
+    return {"rewards": list(names), "arms": rows}
+
+
+def _markdown(summary: dict) -> str:
+    names = summary["rewards"]
+
+    def cell(pair: Any, digits: int = 3) -> str:
+        mean, std = pair
+        return "n/a" if math.isnan(mean) else f"{mean:.{digits}f} ± {std:.{digits}f}"
+
+    lines = [
+        "| arm | " + " | ".join(names) + " | composite | throughput vs weighted sum |",
+        "|---|" + "---|" * (len(names) + 2),
+    ]
+    for arm, row in summary["arms"].items():
+        ratio = row.get("throughput_vs_weighted_sum")
+        ratio_text = "" if ratio is None or math.isnan(ratio) else f"{ratio:.3f}"
+        lines.append(
+            f"| {arm} | "
+            + " | ".join(cell(row[n]) for n in names)
+            + f" | {cell(row['composite'], 2)} | {ratio_text} |"
+        )
+    marble = [(arm, row) for arm, row in summary["arms"].items() if "conflict_rate" in row]
+    if marble:
+        lines += [
+            "",
+            "| MARBLE arm | conflict rate of the weighted-sum direction | worst cosine, weighted sum "
+            "| worst cosine, MARBLE |",
+            "|---|---|---|---|",
+        ]
+        for arm, row in marble:
+            lines.append(
+                f"| {arm} | {cell(row['conflict_rate'], 2)} | {cell(row['worst_cosine_weighted_sum'])} | "
+                f"{cell(row['worst_cosine_marble'])} |"
+            )
+    return "\n".join(lines) + "\n"
+
+
+def _figures(summary: dict, records: dict[str, dict[int, list[dict]]], out: Path, tradeoff: str) -> None:
+    import matplotlib
+
+    matplotlib.use("Agg")
+    import matplotlib.pyplot as plt
+
+    names, rows = summary["rewards"], summary["arms"]
+    means = {arm: [row[n][0] for n in names] for arm, row in rows.items()}
+    mu = [statistics.fmean(m[k] for m in means.values()) for k in range(len(names))]
+    sigma = [statistics.pstdev(m[k] for m in means.values()) or 1.0 for k in range(len(names))]
+    z = {arm: [(m[k] - mu[k]) / sigma[k] for k in range(len(names))] for arm, m in means.items()}
+    colors = {
+        arm: "tab:red" if arm.startswith("marble") else "tab:gray" if arm == "base" else "tab:blue"
+        for arm in rows
+    }
+
+    # Pareto: the pulling reward against the mean z-score of the others.
+    k = names.index(tradeoff)
+    figure, axis = plt.subplots(figsize=(5.6, 4.2))
+    for arm in rows:
+        others = statistics.fmean(v for j, v in enumerate(z[arm]) if j != k)
+        axis.scatter(means[arm][k], others, color=colors[arm])
+        axis.annotate(arm, (means[arm][k], others), fontsize=7, xytext=(3, 3), textcoords="offset points")
+    axis.set_xlabel(f"{tradeoff} (held-out mean)")
+    axis.set_ylabel("mean z-score of the other rewards")
+    axis.set_title("trade-off on held-out prompts (up and right is better)", fontsize=9)
+    figure.tight_layout()
+    figure.savefig(out / "pareto.png", dpi=120)
+    plt.close(figure)
+
+    # Per-reward z-scores, one group of bars per reward.
+    figure, axis = plt.subplots(figsize=(1.6 * len(names) + 3, 4))
+    width = 0.8 / len(rows)
+    for i, arm in enumerate(rows):
+        axis.bar(
+            [j + i * width for j in range(len(names))], z[arm], width, label=arm, color=plt.cm.tab20(i % 20)
+        )
+    axis.set_xticks([j + 0.4 - width / 2 for j in range(len(names))], names, fontsize=8)
+    axis.axhline(0, color="black", linewidth=0.5)
+    axis.set_ylabel("held-out mean, z-scored across arms")
+    axis.legend(fontsize=6, ncol=2)
+    figure.tight_layout()
+    figure.savefig(out / "rewards.png", dpi=120)
+    plt.close(figure)
+
+    # Alpha trajectories of the MARBLE arms (first seed).
+    marble = [arm for arm in records if arm.startswith("marble")]
+    if marble:
+        figure, axes = plt.subplots(1, len(marble), figsize=(4.6 * len(marble), 3.4), squeeze=False)
+        for axis, arm in zip(axes[0], marble, strict=True):
+            history = records[arm][min(records[arm])]
+            for name in names:
+                axis.plot([r["epoch"] for r in history], [r[f"alpha/{name}"] for r in history], label=name)
+            axis.set_title(f"alpha, {arm} (seed {min(records[arm])})", fontsize=9)
+            axis.set_xlabel("epoch")
+        axes[0][0].legend(fontsize=7)
+        figure.tight_layout()
+        figure.savefig(out / "alpha.png", dpi=120)
+        plt.close(figure)
+
+
+def _parser() -> argparse.ArgumentParser:
+    parser = argparse.ArgumentParser(
+        prog="python -m mogo_diffusion.compare",
+        description=__doc__.splitlines()[0],
+        formatter_class=argparse.ArgumentDefaultsHelpFormatter,
+    )
+    parser.add_argument("--out", type=Path, default=Path("runs/compare"), help="output directory")
+    parser.add_argument("--seeds", type=int, default=3, help="seeds 0..N-1 per arm")
+    parser.add_argument("--seed", type=int, default=None, help="run this one seed only (overrides --seeds)")
+    parser.add_argument("--epochs", type=int, default=None, help="epochs per run (default: the recipe's)")
+    parser.add_argument("--jobs", type=int, default=2, help="runs at once, one thread each")
+    parser.add_argument("--arms", default=None, help="comma-separated subset of the arms (default: all)")
+    parser.add_argument(
+        "--quick", action="store_true", help="a few minutes: tiny budget, one seed, not a result"
+    )
+    parser.add_argument("--tradeoff", default="jpeg_compressibility", help="the x axis of pareto.png")
+    return parser
+
+
+def main(argv: list[str] | None = None) -> dict:
+    """Run the comparison; returns the summary (also ``OUT/results.json``)."""
+    parser = _parser()
+    args = parser.parse_args(argv)
+    chosen = arms() if args.arms is None else [a for a in args.arms.split(",") if a]
+    unknown = [a for a in chosen if a not in arms()]
+    if unknown:
+        parser.error(f"unknown arms {unknown}; arms: {', '.join(arms())}")
+    if args.tradeoff not in REWARDS:
+        parser.error(f"--tradeoff must be one of {', '.join(REWARDS)}, got {args.tradeoff!r}")
+    for name in ("seeds", "jobs"):
+        if getattr(args, name) < 1:
+            parser.error(f"--{name} must be >= 1")
+    seeds = [args.seed] if args.seed is not None else [0] if args.quick else list(range(args.seeds))
+    out: Path = args.out
+    try:
+        configs = {
+            (arm, seed): arm_config(
+                arm, seed, out / "runs" / arm / f"seed{seed}", epochs=args.epochs, quick=args.quick
+            )
+            for arm in chosen
+            for seed in seeds
+        }
+    except FileNotFoundError as error:
+        parser.error(str(error))
+    started = time.perf_counter()
+    base = _evaluate_base(next(iter(configs.values())), out / "runs" / "base" / "eval.json")
+    todo = {key: c for key, c in configs.items() if not _finished(Path(c.train.out_dir), c.train.epochs)}
+    with (
+        ThreadPoolExecutor(max_workers=args.jobs) as pool,
+        tqdm(total=len(configs), initial=len(configs) - len(todo), desc="runs") as bar,
+    ):
+        futures = {pool.submit(_train, c, Path(c.train.out_dir)): key for key, c in todo.items()}
+        for future in as_completed(futures):
+            future.result()
+            bar.update()
+            bar.set_postfix_str("/".join(map(str, futures[future])))
+    records = {
+        arm: {seed: read_metrics(configs[arm, seed].train.out_dir) for seed in seeds} for arm in chosen
+    }
+    summary = summarize(base, records, list(REWARDS))
+    summary["command"] = "python -m mogo_diffusion.compare " + " ".join(
+        argv if argv is not None else sys.argv[1:]
+    )
+    summary["seconds"] = time.perf_counter() - started
+    (out / "results.json").write_text(json.dumps(summary, indent=2) + "\n")
+    (out / "results.md").write_text(_markdown(summary))
+    _figures(summary, records, out, args.tradeoff)
+    tqdm.write(_markdown(summary))
+    return summary
+
+
+if __name__ == "__main__":
+    main()

@@ -1,0 +1,118 @@
+"""The shapes world's rewards on exact renders and on edited scenes, and its prompt sources."""
+
+from __future__ import annotations
+
+import dataclasses
+import math
+
+import pytest
+import torch
+
+from mogo_diffusion.prompts import load_prompt_set, shapes_prompts
+from mogo_diffusion.rewards import MultiReward, available_rewards, make_reward
+from mogo_diffusion.rewards.shapes import SHAPES_REWARDS
+from mogo_diffusion.shapes import OBJECT_COLORS, Object, Scene, relations, render, render_batch, sample_scenes
+
+NAMES = list(SHAPES_REWARDS)
+
+
+def scores(scenes, metadata=None):
+    images = render_batch(scenes)
+    prompts = [s.prompt for s in scenes]
+    metadata = [s.metadata for s in scenes] if metadata is None else metadata
+    return MultiReward([make_reward(n) for n in NAMES])(images, prompts, metadata).values
+
+
+@pytest.fixture(scope="module")
+def pool():
+    return sample_scenes(300, 11, "train") + sample_scenes(100, 12, "heldout")
+
+
+def test_exact_renders_score_full_marks_and_specialists_apply_only_to_their_prompts(pool):
+    values = scores(pool)
+    color, shape, position, count = values.unbind(1)
+    assert torch.equal(color, torch.ones(len(pool)))
+    assert torch.equal(shape, torch.ones(len(pool)))
+    tags = [s.tag for s in pool]
+    assert [not math.isnan(v) for v in position.tolist()] == [t == "position" for t in tags]
+    assert [not math.isnan(v) for v in count.tolist()] == [t == "counting" for t in tags]
+    assert bool((position[~position.isnan()] > 0.75).all())  # the relation holds on every render
+    assert torch.equal(count[~count.isnan()], torch.ones(int((~count.isnan()).sum())))
+
+
+def _first(pool, tag):
+    return next(s for s in pool if s.tag == tag)
+
+
+def test_edits_lower_exactly_the_reward_they_concern(pool):
+    scene = _first(pool, "colors")  # "a <colour> <shape> on a <background> background"
+    (obj,) = scene.objects
+    recolored = dataclasses.replace(obj, color=next(c for c in OBJECT_COLORS if c != obj.color))
+    other_shape = dataclasses.replace(obj, shape="circle" if obj.shape != "circle" else "square")
+    empty_box = (1, 1, 2, 2)  # too small to be an object: the scene shows nothing
+    edits = {
+        "recoloured": Scene(scene.tag, scene.background, (recolored,)),
+        "reshaped": Scene(scene.tag, scene.background, (other_shape,)),
+        "extra object": Scene("two_object", scene.background, (obj, _far(obj, "triangle"))),
+        "nothing": Scene(scene.tag, scene.background, (dataclasses.replace(obj, box=empty_box),)),
+    }
+    metadata = [scene.metadata] * len(edits)
+    values = scores(list(edits.values()), metadata)
+    by_edit = {
+        name: dict(zip(NAMES, row.tolist(), strict=True)) for name, row in zip(edits, values, strict=True)
+    }
+    assert by_edit["recoloured"]["shapes_color"] == 0.5  # background right, object colour wrong
+    assert by_edit["recoloured"]["shapes_shape"] == 1.0
+    assert by_edit["reshaped"] == {**by_edit["reshaped"], "shapes_color": 1.0, "shapes_shape": 0.0}
+    assert by_edit["extra object"]["shapes_shape"] == 0.5  # one matched of two detected
+    assert by_edit["nothing"]["shapes_shape"] == 0.0
+    assert by_edit["nothing"]["shapes_color"] == 0.5
+
+
+def _far(obj: Object, shape: str) -> Object:
+    """A 12 px ``shape`` in the corner farthest from ``obj``."""
+    x0 = 2 if obj.box[0] > 10 else 18
+    y0 = 2 if obj.box[1] > 10 else 18
+    color = next(c for c in OBJECT_COLORS if c != obj.color)
+    return Object(shape, color, (x0, y0, x0 + 12, y0 + 12))
+
+
+def test_position_scores_the_named_relation_and_counting_the_number(pool):
+    scene = _first(pool, "position")
+    reference, target = scene.objects
+    swapped = Scene(
+        scene.tag,
+        scene.background,
+        (dataclasses.replace(reference, box=target.box), dataclasses.replace(target, box=reference.box)),
+        scene.relation,
+    )
+    assert relations(swapped.objects[1].box, swapped.objects[0].box) != {scene.relation}
+    counting = _first(pool, "counting")
+    fewer = Scene("single_object", counting.background, counting.objects[:1])
+    values = scores([scene, swapped, fewer], [scene.metadata, scene.metadata, counting.metadata])
+    position, count = values[:, 2], values[:, 3]
+    assert position[0] > 0.75 > position[1]
+    n = counting.metadata["include"][0]["count"]
+    assert count[2].item() == pytest.approx(1 - (n - 1) / n)
+
+
+def test_shapes_rewards_need_the_metadata_and_are_registered():
+    assert set(NAMES) <= set(available_rewards())
+    image = render(sample_scenes(1)[0])[None]
+    with pytest.raises(ValueError, match=r"shapes_color: sample 0 .* has no shapes metadata"):
+        make_reward("shapes_color")(image, ["a red circle on a white background"], [{}])
+
+
+def test_prompt_sources():
+    every = load_prompt_set("shapes:train")
+    assert len(every.prompts) == len(set(every.prompts))
+    assert all(m["prompt"] == p for p, m in zip(every.prompts, every.metadata, strict=True))
+    sampled = load_prompt_set("shapes:heldout:20")
+    assert sampled == shapes_prompts("heldout", 20)
+    assert sampled.prompts == [s.prompt for s in sample_scenes(20, 0, "heldout")]
+    assert not set(sampled.prompts) & set(every.prompts)  # held-out captions are never trained on
+    for bad in ("shapes:test", "shapes:train:x", "shapes:train:3:4", "shapes:"):
+        with pytest.raises(ValueError, match="prompt source"):
+            load_prompt_set(bad)
+    with pytest.raises(FileNotFoundError, match="does not exist"):
+        load_prompt_set("no/such/prompts.jsonl")
