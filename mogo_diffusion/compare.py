@@ -1,8 +1,9 @@
 """The paper's comparison on the shapes world: ``python -m mogo_diffusion.compare``.
 
 Every arm trains from :func:`~mogo_diffusion.shapes.recipe.shapes_config` with the same budget
-(epochs, samples, optimizer) and the same seeds, and is evaluated on the same held-out prompts and
-noise (:meth:`Trainer.evaluate <mogo_diffusion.train.Trainer.evaluate>`):
+(:data:`EPOCHS` epochs of the same samples per epoch, the same optimizer) and the same seeds, and
+is evaluated on the same held-out prompts and noise
+(:meth:`Trainer.evaluate <mogo_diffusion.train.Trainer.evaluate>`):
 
 .. code-block:: text
 
@@ -44,7 +45,7 @@ from mogo_diffusion.config import Config
 from mogo_diffusion.evaluate import read_metrics
 from mogo_diffusion.shapes.recipe import REWARDS, shapes_config
 
-__all__ = ["QUICK", "arm_config", "arms", "main", "summarize"]
+__all__ = ["EPOCHS", "QUICK", "arm_config", "arms", "main", "summarize"]
 
 QUICK: dict[str, Any] = {
     "sampling": {"prompts_per_epoch": 4, "group_size": 4, "eval_prompts": "shapes:heldout:16"},
@@ -65,13 +66,18 @@ def arms(rewards: Sequence[str] = REWARDS) -> list[str]:
     ]
 
 
-def arm_config(arm: str, seed: int, out: Path, *, epochs: int | None = None, quick: bool = False) -> Config:
-    """The config of one arm and seed, writing to ``out``."""
-    base = shapes_config(**(QUICK if quick else {}))
-    data = base.to_dict()
-    if epochs is not None:
-        data["train"]["epochs"] = epochs
-    data["train"].update(seed=seed, out_dir=str(out), checkpoint_every=data["train"]["epochs"])
+EPOCHS = 20
+"""Epochs per run of the comparison (the default run has 60), so that 33 runs fit in about 45 minutes."""
+
+
+def arm_config(arm: str, seed: int, out: Path, *, epochs: int = EPOCHS, quick: bool = False) -> Config:
+    """The config of one arm and seed, writing to ``out``: ``epochs`` epochs, evaluated once at
+    the end."""
+    data = shapes_config(**(QUICK if quick else {})).to_dict()
+    epochs = QUICK["train"]["epochs"] if quick else epochs
+    data["train"].update(
+        epochs=epochs, eval_every=epochs, checkpoint_every=epochs, seed=seed, out_dir=str(out)
+    )
     strategy: dict[str, Any]
     if arm.startswith("single:"):
         strategy = {"name": "single", "reward": arm.removeprefix("single:")}
@@ -294,7 +300,7 @@ def _parser() -> argparse.ArgumentParser:
     parser.add_argument("--out", type=Path, default=Path("runs/compare"), help="output directory")
     parser.add_argument("--seeds", type=int, default=3, help="seeds 0..N-1 per arm")
     parser.add_argument("--seed", type=int, default=None, help="run this one seed only (overrides --seeds)")
-    parser.add_argument("--epochs", type=int, default=None, help="epochs per run (default: the recipe's)")
+    parser.add_argument("--epochs", type=int, default=EPOCHS, help="epochs per run (not with --quick)")
     parser.add_argument("--jobs", type=int, default=2, help="runs at once, one thread each")
     parser.add_argument("--arms", default=None, help="comma-separated subset of the arms (default: all)")
     parser.add_argument(

@@ -15,7 +15,7 @@ comparison was run:
     clipscore         global      every prompt      the tiny CLIP's reading of the caption
 
 Training prompts are 1024 sampled training-split captions (``shapes:train:1024``); evaluation uses
-64 captions of the held-out split (``shapes:heldout:64``), colour-shape pairs never trained on.
+128 captions of the held-out split (``shapes:heldout:128``), colour-shape pairs never trained on.
 """
 
 from __future__ import annotations
@@ -63,7 +63,7 @@ def shapes_config(**sections: dict[str, Any]) -> Config:
             "group_size": 8,
             "prompts_per_epoch": 8,
             "prompts": "shapes:train:1024",
-            "eval_prompts": "shapes:heldout:64",
+            "eval_prompts": "shapes:heldout:128",
             "batch_size": 64,
         },
         "nft": {"beta": 0.1, "kl_coef": 0.0},
@@ -73,10 +73,10 @@ def shapes_config(**sections: dict[str, Any]) -> Config:
         ],
         "strategy": {"name": "marble", "harmonize_every": 10, "alpha_ema": 0.9},
         "train": {
-            "lr": 1e-3,
+            "lr": 3e-3,
             "grad_clip": 1.0,
             "epochs": 60,
-            "batch_size": 32,
+            "batch_size": 16,
             "timestep_fraction": 0.3,
             "old_decay_rate": 0.01,
             "old_decay_max": 0.5,

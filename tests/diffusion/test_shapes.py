@@ -317,10 +317,7 @@ def test_pretrain_help_and_bad_arguments(tmp_path, capsys):
 
 
 def test_the_shipped_pipeline_loads_and_is_small():
-    try:
-        path = shapes_pipeline_path()
-    except FileNotFoundError:
-        pytest.skip("the shapes pipeline is not built (python -m mogo_diffusion.shapes.pretrain)")
+    path = shapes_pipeline_path()
     from transformers import CLIPModel, CLIPProcessor
 
     from mogo_diffusion.models import load_pipeline
