@@ -120,12 +120,16 @@ class NormalizedGram:
         return full
 
 
+ZERO_RTOL = 1e-10
+"""Gradients with a norm at most this times the largest count as zero (excluded, no direction)."""
+
+
 def normalize_gram(
     G: Tensor,
     mode: Normalization = "l2",
     *,
     losses: Tensor | None = None,
-    rtol: float = 1e-10,
+    rtol: float = ZERO_RTOL,
 ) -> NormalizedGram:
     """Normalise the Gram matrix of K gradients and exclude the zero ones.
 

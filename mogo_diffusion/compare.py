@@ -13,14 +13,16 @@ is evaluated on the same held-out prompts and noise
     weighted_sum_z         one advantage of sum_k z(R_k) (each reward z-scored over the batch)
     sequential             one reward at a time, stages cycling twice through the rewards
     marble_n1              MARBLE, alpha solved at every step
-    marble_n10             MARBLE amortized: alpha re-solved every 10 steps, EMA 0.9 in between
+    marble_n10             MARBLE amortized: alpha re-solved every 10 steps, EMA 0.9 in between,
+                           estimated on the first trained timestep of each step's window
+    marble_n10_window      the same, alpha estimated on the whole window (K gradient buffers)
 
 Each run is a ``python -m mogo_diffusion.train --config`` subprocess (``--jobs`` at a time, one
 thread each) in ``OUT/runs/<arm>/seed<s>``; a finished run is not rerun, so an interrupted
 comparison continues where it stopped (an unfinished run starts over). ``OUT`` then holds
 ``results.json``, ``results.md`` (per-reward held-out means with their spread over seeds, the
-composite mean z-score, conflict statistics and wall-time ratios) and the figures ``pareto.png``,
-``rewards.png`` and ``alpha.png``.
+composite mean z-score, conflict statistics and wall-time ratios), the same tables as
+``results.rst``, and the figures ``pareto.png``, ``rewards.png`` and ``alpha.png``.
 """
 
 from __future__ import annotations
@@ -45,7 +47,7 @@ from mogo_diffusion.config import Config
 from mogo_diffusion.evaluate import read_metrics
 from mogo_diffusion.shapes.recipe import REWARDS, shapes_config
 
-__all__ = ["EPOCHS", "QUICK", "arm_config", "arms", "main", "summarize"]
+__all__ = ["EPOCHS", "QUICK", "arm_config", "arms", "main", "summarize", "tables"]
 
 QUICK: dict[str, Any] = {
     "sampling": {"prompts_per_epoch": 4, "group_size": 4, "eval_prompts": "shapes:heldout:16"},
@@ -63,11 +65,12 @@ def arms(rewards: Sequence[str] = REWARDS) -> list[str]:
         "sequential",
         "marble_n1",
         "marble_n10",
+        "marble_n10_window",
     ]
 
 
 EPOCHS = 20
-"""Epochs per run of the comparison (the default run has 60), so that 33 runs fit in about 45 minutes."""
+"""Epochs per run of the comparison (the default run has 60), so that 36 runs fit in about 50 minutes."""
 
 
 def arm_config(arm: str, seed: int, out: Path, *, epochs: int = EPOCHS, quick: bool = False) -> Config:
@@ -89,8 +92,9 @@ def arm_config(arm: str, seed: int, out: Path, *, epochs: int = EPOCHS, quick: b
         strategy = {"name": "sequential", "stages": [{"reward": n, "epochs": length} for n in names]}
     elif arm == "marble_n1":
         strategy = {"name": "marble", "harmonize_every": 1, "alpha_ema": 0.0}
-    elif arm == "marble_n10":
-        strategy = {"name": "marble", "harmonize_every": 10, "alpha_ema": 0.9}
+    elif arm in ("marble_n10", "marble_n10_window"):
+        estimate = "window" if arm.endswith("window") else "first"
+        strategy = {"name": "marble", "harmonize_every": 10, "alpha_ema": 0.9, "estimate": estimate}
     else:
         raise ValueError(f"unknown arm {arm!r}; arms: base, {', '.join(arms())}")
     data["strategy"] = {**data["strategy"], **strategy}
@@ -195,39 +199,59 @@ def summarize(
     return {"rewards": list(names), "arms": rows}
 
 
-def _markdown(summary: dict) -> str:
+def _cell(pair: Any, digits: int = 3) -> str:
+    mean, std = pair
+    return "n/a" if math.isnan(mean) else f"{mean:.{digits}f} ± {std:.{digits}f}"
+
+
+def tables(summary: dict) -> list[list[list[str]]]:
+    """The comparison as two tables of cells, each a header row then one row per arm: the rewards
+    (held-out mean ± std over seeds, the composite, the throughput ratio), and the conflict
+    statistics of the MARBLE arms."""
     names = summary["rewards"]
-
-    def cell(pair: Any, digits: int = 3) -> str:
-        mean, std = pair
-        return "n/a" if math.isnan(mean) else f"{mean:.{digits}f} ± {std:.{digits}f}"
-
-    lines = [
-        "| arm | " + " | ".join(names) + " | composite | throughput vs weighted sum |",
-        "|---|" + "---|" * (len(names) + 2),
-    ]
+    rewards = [["arm", *names, "composite", "throughput vs weighted sum"]]
     for arm, row in summary["arms"].items():
         ratio = row.get("throughput_vs_weighted_sum")
         ratio_text = "" if ratio is None or math.isnan(ratio) else f"{ratio:.3f}"
-        lines.append(
-            f"| {arm} | "
-            + " | ".join(cell(row[n]) for n in names)
-            + f" | {cell(row['composite'], 2)} | {ratio_text} |"
-        )
-    marble = [(arm, row) for arm, row in summary["arms"].items() if "conflict_rate" in row]
-    if marble:
-        lines += [
-            "",
-            "| MARBLE arm | conflict rate of the weighted-sum direction | worst cosine, weighted sum "
-            "| worst cosine, MARBLE |",
-            "|---|---|---|---|",
+        rewards.append([arm, *(_cell(row[n]) for n in names), _cell(row["composite"], 2), ratio_text])
+    conflicts = [
+        [
+            "MARBLE arm",
+            "conflict rate of the weighted-sum direction",
+            "worst cosine, weighted sum",
+            "worst cosine, MARBLE",
         ]
-        for arm, row in marble:
-            lines.append(
-                f"| {arm} | {cell(row['conflict_rate'], 2)} | {cell(row['worst_cosine_weighted_sum'])} | "
-                f"{cell(row['worst_cosine_marble'])} |"
+    ]
+    for arm, row in summary["arms"].items():
+        if "conflict_rate" in row:
+            conflicts.append(
+                [
+                    arm,
+                    _cell(row["conflict_rate"], 2),
+                    _cell(row["worst_cosine_weighted_sum"]),
+                    _cell(row["worst_cosine_marble"]),
+                ]
             )
-    return "\n".join(lines) + "\n"
+    return [rewards, conflicts] if len(conflicts) > 1 else [rewards]
+
+
+def _markdown(summary: dict) -> str:
+    blocks = []
+    for header, *rows in tables(summary):
+        lines = ["| " + " | ".join(header) + " |", "|---" * len(header) + "|"]
+        blocks.append("\n".join(lines + ["| " + " | ".join(row) + " |" for row in rows]))
+    return "\n\n".join(blocks) + "\n"
+
+
+def _rst(summary: dict) -> str:
+    """The tables as reStructuredText list-tables (for the docs)."""
+    blocks = []
+    for table in tables(summary):
+        lines = [".. list-table::", "   :header-rows: 1", ""]
+        for row in table:
+            lines += [f"   * - {row[0]}", *(f"     - {cell or ' '}" for cell in row[1:])]
+        blocks.append("\n".join(lines))
+    return "\n\n".join(blocks) + "\n"
 
 
 def _figures(summary: dict, records: dict[str, dict[int, list[dict]]], out: Path, tradeoff: str) -> None:
@@ -357,6 +381,7 @@ def main(argv: list[str] | None = None) -> dict:
     summary["seconds"] = time.perf_counter() - started
     (out / "results.json").write_text(json.dumps(summary, indent=2) + "\n")
     (out / "results.md").write_text(_markdown(summary))
+    (out / "results.rst").write_text(_rst(summary))
     _figures(summary, records, out, args.tradeoff)
     tqdm.write(_markdown(summary))
     return summary

@@ -473,6 +473,23 @@ def test_conflict_report_and_meter():
     assert meter.worst_harmonized_cosine > 0
 
 
+def test_a_round_off_gradient_has_no_direction_in_the_report():
+    # Seen in training: a reward no sample of the micro-batch applies to has loss 0 and a gradient of
+    # round-off (1e-16), here pointing against a small real one; the weighting excludes it, and so
+    # must the report, or the worst cosine and the conflict flag read noise.
+    J = torch.tensor(
+        [[1.0, 0.2, 0.0], [0.1, 1.0, 0.0], [0.0, 0.0, 1e-6], [0.0, 0.0, -1e-16]], dtype=torch.float64
+    )
+    gram = J @ J.T
+    weights = mogo.MinNorm()(gram, torch.ones(4))
+    assert weights.alpha[3] == 0
+    report = mogo.ConflictReport.from_gram(gram, weights, ("a", "b", "c", "none"))
+    assert report.harmonized_cosines[3] == 0
+    assert report.weighted_sum_cosines[3] == 0
+    assert not report.conflict
+    assert bool((report.harmonized_cosines[:3] > 0).all())  # the tiny real gradient keeps its direction
+
+
 @pytest.mark.parametrize(
     ("kwargs", "match"),
     [

@@ -29,7 +29,7 @@ def test_the_default_command_trains_the_shapes_world(tmp_path):
 
 def test_arms_differ_only_in_their_strategy(tmp_path):
     configs = {arm: compare.arm_config(arm, 1, tmp_path / arm) for arm in compare.arms()}
-    assert len(configs) == len(REWARDS) + 5
+    assert len(configs) == len(REWARDS) + 6
     base = shapes_config().to_dict()
     for arm, config in configs.items():
         data = config.to_dict()
@@ -39,6 +39,8 @@ def test_arms_differ_only_in_their_strategy(tmp_path):
         }, arm
     assert configs["sequential"].strategy.stages[0].reward == REWARDS[0]
     assert configs["weighted_sum_z"].strategy.reward_scale == "zscore"
+    assert configs["marble_n10_window"].strategy.estimate == "window"
+    assert configs["marble_n10"].strategy.estimate == "first"
     with pytest.raises(ValueError, match="unknown arm 'best'"):
         compare.arm_config("best", 0, tmp_path)
 
@@ -56,6 +58,7 @@ def test_quick_comparison_writes_the_table_and_figures(tmp_path):
     table = (tmp_path / "results.md").read_text()
     assert all(f"| {arm} |" in table for arm in rows)
     assert json.loads((tmp_path / "results.json").read_text())["arms"].keys() == rows.keys()
+    assert (tmp_path / "results.rst").read_text().count(".. list-table::") == 2
     for figure in ("pareto.png", "rewards.png", "alpha.png"):
         assert (tmp_path / figure).stat().st_size > 10_000
     metrics = tmp_path / "runs" / "weighted_sum" / "seed0" / "metrics.jsonl"
