@@ -506,7 +506,7 @@ def main(argv: list[str] | None = None) -> None:
     parser = argparse.ArgumentParser(
         prog="python -m mogo_diffusion.train",
         description=__doc__.splitlines()[0]
-        + " Without --config: MARBLE on the embedded shapes world (about 10 minutes on 2 CPU cores).",
+        + " Without --config: MARBLE on the embedded shapes world (about 6 minutes on 2 CPU cores).",
     )
     add_config_arguments(parser)
     parser.add_argument("--resume", default=None, help="'latest' or a checkpoint directory")
