@@ -44,7 +44,7 @@ from typing import Any
 from tqdm.auto import tqdm
 
 from mogo_diffusion.config import Config
-from mogo_diffusion.evaluate import read_metrics
+from mogo_diffusion.evaluate import composite_zscores, read_metrics, reward_zscores
 from mogo_diffusion.shapes.recipe import REWARDS, shapes_config
 
 __all__ = ["EPOCHS", "QUICK", "arm_config", "arms", "main", "summarize", "tables"]
@@ -168,15 +168,6 @@ def summarize(
         arm: [statistics.fmean(v[k] for v in runs.values()) for k in range(len(names))]
         for arm, runs in table.items()
     }
-    mu = [statistics.fmean(a[k] for a in averaged.values()) for k in range(len(names))]
-    sigma = [statistics.pstdev(a[k] for a in averaged.values()) for k in range(len(names))]
-    informative = [k for k in range(len(names)) if sigma[k] > 1e-12]
-
-    def composite(values: Sequence[float]) -> float:
-        if not informative:
-            return 0.0
-        return statistics.fmean((values[k] - mu[k]) / sigma[k] for k in informative)
-
     epoch_seconds = {
         arm: statistics.median(r["seconds"] for history in seeds.values() for r in history)
         for arm, seeds in records.items()
@@ -187,7 +178,8 @@ def summarize(
         row: dict[str, Any] = {"seeds": sorted(runs)}
         for k, name in enumerate(names):
             row[name] = _mean_std([v[k] for v in runs.values()])
-        row["composite"] = _mean_std([composite(v) for v in runs.values()])
+        composites = composite_zscores({str(seed): v for seed, v in runs.items()}, reference=averaged)
+        row["composite"] = _mean_std(list(composites.values()))
         if arm in records:
             row["epoch_seconds"] = epoch_seconds[arm]
             row["throughput_vs_weighted_sum"] = reference / epoch_seconds[arm] if reference else math.nan
@@ -262,9 +254,7 @@ def _figures(summary: dict, records: dict[str, dict[int, list[dict]]], out: Path
 
     names, rows = summary["rewards"], summary["arms"]
     means = {arm: [row[n][0] for n in names] for arm, row in rows.items()}
-    mu = [statistics.fmean(m[k] for m in means.values()) for k in range(len(names))]
-    sigma = [statistics.pstdev(m[k] for m in means.values()) or 1.0 for k in range(len(names))]
-    z = {arm: [(m[k] - mu[k]) / sigma[k] for k in range(len(names))] for arm, m in means.items()}
+    z = reward_zscores(means)
     colors = {
         arm: "tab:red" if arm.startswith("marble") else "tab:gray" if arm == "base" else "tab:blue"
         for arm in rows

@@ -1,7 +1,8 @@
 """Multi-reward evaluation: held-out scores, the composite z-score, run plots and sample grids.
 
-* :func:`composite_zscores`: each reward standardised over the compared runs, then averaged, so
-  rewards on different scales count alike: ``c_r = mean_k (m_rk - mean_r' m_r'k) / std_r' m_r'k``.
+* :func:`reward_zscores`: each reward standardised over the compared runs,
+  ``z_rk = (m_rk - mean_r' m_r'k) / std_r' m_r'k``; :func:`composite_zscores` averages them over
+  the rewards, so rewards on different scales count alike.
 * :func:`plot_run`: the curves of a run directory's ``metrics.jsonl`` (per-reward means, held-out
   means, alpha, conflict rate) in one PNG.
 * :func:`save_grid`: ``[N, 3, H, W]`` images in ``[0, 1]`` as one PNG, ``columns`` per row.
@@ -22,7 +23,7 @@ from torch import Tensor
 
 from mogo_diffusion.rewards import to_uint8
 
-__all__ = ["composite_zscores", "nan_mean", "plot_run", "read_metrics", "save_grid"]
+__all__ = ["composite_zscores", "nan_mean", "plot_run", "read_metrics", "reward_zscores", "save_grid"]
 
 
 def nan_mean(values: Tensor) -> Tensor:
@@ -33,25 +34,53 @@ def nan_mean(values: Tensor) -> Tensor:
     return torch.where(count > 0, total / count.clamp(min=1), math.nan)
 
 
-def composite_zscores(means: Mapping[str, Sequence[float]]) -> dict[str, float]:
-    """The composite score of each run: its per-reward means z-scored across runs, then averaged.
+def _standardized(
+    means: Mapping[str, Sequence[float]], reference: Mapping[str, Sequence[float]] | None
+) -> tuple[np.ndarray, np.ndarray]:
+    """``[R, K]`` z-scores of ``means`` by the mean and std over the runs of ``reference`` (0 for a
+    reward on which they all agree), and the ``[K]`` mask of the rewards where they do not."""
+    basis = np.asarray(list((means if reference is None else reference).values()), dtype=np.float64)
+    if basis.ndim != 2 or len(basis) < 2:
+        raise ValueError(f"need the K means of at least two runs, got an array of shape {basis.shape}")
+    table = np.asarray(list(means.values()), dtype=np.float64).reshape(-1, basis.shape[1])
+    spread = basis.std(axis=0)
+    informative = spread > 1e-12
+    z = np.zeros_like(table)
+    z[:, informative] = (table[:, informative] - basis[:, informative].mean(axis=0)) / spread[informative]
+    return z, informative
+
+
+def reward_zscores(
+    means: Mapping[str, Sequence[float]], reference: Mapping[str, Sequence[float]] | None = None
+) -> dict[str, list[float]]:
+    """Each run's per-reward means z-scored across the runs of ``reference`` (default: ``means``).
 
     Args:
         means: run name to its K per-reward means (the same K rewards, in the same order).
+        reference: the runs whose mean and std standardise each reward (at least two).
 
     Returns:
-        Run name to composite. A reward on which every run scores the same carries no information
-        and is left out (its std is 0).
+        Run name to its K z-scores; 0 for a reward on which every reference run scores the same.
     """
-    names = list(means)
-    table = np.asarray([means[name] for name in names], dtype=np.float64)
-    if table.ndim != 2 or len(names) < 2:
-        raise ValueError(f"need the K means of at least two runs, got an array of shape {table.shape}")
-    spread = table.std(axis=0)
-    informative = spread > 1e-12
-    z = (table[:, informative] - table[:, informative].mean(axis=0)) / spread[informative]
-    composite = z.mean(axis=1) if informative.any() else np.zeros(len(names))
-    return {name: float(value) for name, value in zip(names, composite, strict=True)}
+    z, _ = _standardized(means, reference)
+    return {name: row.tolist() for name, row in zip(means, z, strict=True)}
+
+
+def composite_zscores(
+    means: Mapping[str, Sequence[float]], reference: Mapping[str, Sequence[float]] | None = None
+) -> dict[str, float]:
+    """The composite score of each run: its :func:`reward_zscores`, averaged over the rewards.
+
+    Args:
+        means, reference: as in :func:`reward_zscores`.
+
+    Returns:
+        Run name to composite. A reward on which every reference run scores the same carries no
+        information and is left out (its std is 0); with none left, every composite is 0.
+    """
+    z, informative = _standardized(means, reference)
+    composite = z[:, informative].mean(axis=1) if informative.any() else np.zeros(len(z))
+    return {name: float(value) for name, value in zip(means, composite, strict=True)}
 
 
 def read_metrics(run_dir: str | os.PathLike[str]) -> list[dict]:

@@ -12,7 +12,14 @@ from hypothesis import given
 from hypothesis import strategies as st
 from PIL import Image
 
-from mogo_diffusion.evaluate import composite_zscores, nan_mean, plot_run, read_metrics, save_grid
+from mogo_diffusion.evaluate import (
+    composite_zscores,
+    nan_mean,
+    plot_run,
+    read_metrics,
+    reward_zscores,
+    save_grid,
+)
 
 
 def test_nan_mean_skips_samples_a_reward_does_not_apply_to():
@@ -31,6 +38,17 @@ def test_composite_is_the_mean_z_score_and_ignores_constant_rewards():
     assert composite["c"] == pytest.approx(0.0, abs=1e-12)
     with pytest.raises(ValueError, match="at least two runs"):
         composite_zscores({"a": [1.0]})
+
+
+def test_zscores_against_a_reference_set_of_runs():
+    reference = {"a": [1.0, 10.0, 5.0], "b": [3.0, 30.0, 5.0]}  # mean 2, 20, 5; std 1, 10, 0
+    runs = {"seed0": [4.0, 10.0, 7.0], "seed1": [2.0, 25.0, 5.0]}
+    assert reward_zscores(runs, reference) == {"seed0": [2.0, -1.0, 0.0], "seed1": [0.0, 0.5, 0.0]}
+    composite = composite_zscores(runs, reference)  # the constant third reward is left out
+    assert composite == {"seed0": pytest.approx(0.5), "seed1": pytest.approx(0.25)}
+    assert reward_zscores(reference) == {"a": [-1.0, -1.0, 0.0], "b": [1.0, 1.0, 0.0]}
+    with pytest.raises(ValueError, match="at least two runs"):
+        reward_zscores(runs, {"a": [1.0, 2.0, 3.0]})
 
 
 @given(
