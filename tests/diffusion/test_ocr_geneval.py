@@ -8,6 +8,7 @@ import math
 import numpy as np
 import pytest
 import torch
+import transformers
 from hypothesis import given
 from hypothesis import strategies as st
 from PIL import Image, ImageDraw, ImageFont
@@ -114,8 +115,7 @@ def render_text(text: str, size: tuple[int, int] = (256, 128), font_size: int = 
 
 
 @pytest.fixture(scope="module")
-def ocr():
-    pytest.importorskip("rapidocr_onnxruntime")
+def ocr():  # RapidOCR is installed by the set-up (the ocr extra): a missing one fails, not skips
     return OcrReward(options={"intra_op_num_threads": 1, "inter_op_num_threads": 1})
 
 
@@ -506,7 +506,6 @@ DETECTION_TOKENS = 5
 
 @pytest.fixture(scope="module")
 def yolos_dir(tmp_path_factory):
-    transformers = pytest.importorskip("transformers")
     config = transformers.YolosConfig(
         hidden_size=32,
         num_hidden_layers=2,

@@ -9,9 +9,18 @@ import pytest
 import torch
 
 from mogo_diffusion.prompts import load_prompt_set, shapes_prompts
-from mogo_diffusion.rewards import MultiReward, available_rewards, make_reward
+from mogo_diffusion.rewards import PALETTE, MultiReward, available_rewards, make_reward
 from mogo_diffusion.rewards.shapes import SHAPES_REWARDS
-from mogo_diffusion.shapes import OBJECT_COLORS, Object, Scene, relations, render, render_batch, sample_scenes
+from mogo_diffusion.shapes import (
+    COLORS,
+    OBJECT_COLORS,
+    Object,
+    Scene,
+    relations,
+    render,
+    render_batch,
+    sample_scenes,
+)
 
 NAMES = list(SHAPES_REWARDS)
 
@@ -116,3 +125,8 @@ def test_prompt_sources():
             load_prompt_set(bad)
     with pytest.raises(FileNotFoundError, match="does not exist"):
         load_prompt_set("no/such/prompts.jsonl")
+
+
+def test_the_worlds_colours_are_the_palettes():
+    # scenes.COLORS repeats rules.PALETTE's values (importing it would be circular): they must agree.
+    assert {name: PALETTE[name] for name in COLORS} == COLORS
