@@ -44,6 +44,7 @@ __all__ = [
     "AestheticPredictor",
     "ClipEncoder",
     "ClipScore",
+    "EncoderReward",
     "ImageTransform",
     "PickScore",
 ]
@@ -360,8 +361,20 @@ def _load_processor(
 # The rewards -------------------------------------------------------------------------------------
 
 
+class EncoderReward:
+    """The part every CLIP-scored reward shares: it scores through ``self.encoder``, a
+    :class:`ClipEncoder`, which :meth:`to` moves."""
+
+    encoder: ClipEncoder
+
+    def to(self, device: torch.device | str) -> EncoderReward:
+        """Move the model; returns ``self``."""
+        self.encoder.to(device)
+        return self
+
+
 @register_reward("pickscore")
-class PickScore:
+class PickScore(EncoderReward):
     """PickScore (Kirstain et al., 2023) as DiffusionNFT and Flow-GRPO scale it:
     ``exp(logit_scale) * <u, w> / 26``, ``[B]`` float32.
 
@@ -400,11 +413,6 @@ class PickScore:
             local_files_only=local_files_only,
         )
 
-    def to(self, device: torch.device | str) -> PickScore:
-        """Move the model; returns ``self``."""
-        self.encoder.to(device)
-        return self
-
     def __call__(
         self, images: Tensor, prompts: Sequence[str], metadata: Sequence[Mapping[str, Any]] | None = None
     ) -> Tensor:
@@ -414,7 +422,7 @@ class PickScore:
 
 
 @register_reward("clipscore")
-class ClipScore:
+class ClipScore(EncoderReward):
     """CLIPScore: the cosine ``<u, w>`` of each image and its prompt, ``[B]`` float32 in ``[-1, 1]``.
 
     DiffusionNFT's ``logits_per_image / 100`` (CLIP ViT-L/14's ``exp(logit_scale)`` is 100),
@@ -448,11 +456,6 @@ class ClipScore:
             local_files_only=local_files_only,
             interpolation="bilinear",
         )
-
-    def to(self, device: torch.device | str) -> ClipScore:
-        """Move the model; returns ``self``."""
-        self.encoder.to(device)
-        return self
 
     def __call__(
         self, images: Tensor, prompts: Sequence[str], metadata: Sequence[Mapping[str, Any]] | None = None
@@ -515,7 +518,7 @@ class AestheticPredictor(nn.Module):
 
 
 @register_reward("aesthetic")
-class Aesthetic:
+class Aesthetic(EncoderReward):
     """The LAION aesthetic score ``MLP(u)`` of each image, ``[B]`` float32 (about 1 to 10); the
     prompts are not used.
 
@@ -564,7 +567,7 @@ class Aesthetic:
 
     def to(self, device: torch.device | str) -> Aesthetic:
         """Move both models; returns ``self``."""
-        self.encoder.to(device)
+        super().to(device)
         self.predictor.to(device)
         return self
 

@@ -52,6 +52,7 @@ from mogo_diffusion.rewards.clip import (
     _PROCESSOR_FILES,
     CLIP_H14,
     ClipEncoder,
+    EncoderReward,
     ImageTransform,
     _batch_size,
     _check_batch,
@@ -152,7 +153,7 @@ def _checkpoint(model: str | os.PathLike[str], only_local: bool) -> Path:
 
 
 @register_reward("hpsv21")
-class HPSv21:
+class HPSv21(EncoderReward):
     """HPSv2.1: the cosine ``<u, w>`` of each image and its prompt under the HPS model, ``[B]`` float32.
 
     Args:
@@ -216,11 +217,6 @@ class HPSv21:
         clip.to(device=device, dtype=dtype)
         transform = ImageTransform.from_processor(image_config, fit="pad")
         self.encoder = ClipEncoder(clip, tokenizer, transform, batch_size=batch_size)
-
-    def to(self, device: torch.device | str) -> HPSv21:
-        """Move the model; returns ``self``."""
-        self.encoder.to(device)
-        return self
 
     def __call__(
         self, images: Tensor, prompts: Sequence[str], metadata: Sequence[Mapping[str, Any]] | None = None
