@@ -16,12 +16,17 @@ repeated runs of consecutive steps after a warm-up step ("between harmonizations
 that harmonizes only in its warm-up step). Torch keeps no allocator statistics on the CPU, so peak
 memory is the growth of the peak resident set over one step, in a fresh process per strategy.
 
-    python benchmarks/step.py [--quick] [--repeats 5] [--models "MLP 1.1M" "transformer 10M"]
+``--keep-freed-memory`` stops glibc's malloc from returning freed memory to the system (as
+jemalloc and tcmalloc do), so that a step's fresh tensors do not pay first-touch page faults.
+
+    python benchmarks/step.py [--quick | --sizes 2 5 10] [--repeats 5] [--keep-freed-memory]
+                              [--models "MLP 1.1M" "transformer 10M"]
 """
 
 from __future__ import annotations
 
 import argparse
+import ctypes
 import statistics
 import subprocess
 import sys
@@ -151,9 +156,24 @@ def weighted_sum_micro(
     sgd.step()
 
 
-def peak_step_memory(model_name: str, K: int, label: str) -> float:
+def keep_freed_memory() -> None:
+    """Make glibc's malloc keep freed memory for reuse: never trim the heap, and serve blocks up
+    to its 32 MiB maximum from the heap rather than from fresh mappings. Without it, the K x P
+    gradients a harmonization step allocates are mapped anew each step, and every 4 KiB page
+    faults on first touch (about 3 us each on this project's virtual machines)."""
+    try:
+        libc = ctypes.CDLL("libc.so.6")
+    except OSError as error:
+        raise SystemExit(f"--keep-freed-memory needs glibc (libc.so.6): {error}") from error
+    M_TRIM_THRESHOLD, M_MMAP_THRESHOLD = -1, -3
+    if not (libc.mallopt(M_TRIM_THRESHOLD, 2**31 - 1) and libc.mallopt(M_MMAP_THRESHOLD, 32 << 20)):
+        raise SystemExit("--keep-freed-memory: glibc's mallopt refused the thresholds")
+
+
+def peak_step_memory(model_name: str, K: int, label: str, keep_freed: bool) -> float:
     """Bytes by which one step of ``label`` raises the peak resident set of a fresh process."""
     command = [sys.executable, __file__, "--peak-of", model_name, str(K), label]
+    command += ["--keep-freed-memory"] if keep_freed else []
     result = subprocess.run(command, capture_output=True, text=True, check=True)
     return float(result.stdout.split()[-1])
 
@@ -181,17 +201,25 @@ def peak_resident_bytes() -> int:
 def main(argv: list[str] | None = None) -> None:
     parser = argparse.ArgumentParser(description=__doc__.splitlines()[0])
     parser.add_argument("--quick", action="store_true", help="K=5 only")
+    parser.add_argument(
+        "--sizes", nargs="+", type=int, default=[2, 5, 10], metavar="K", help="numbers of objectives"
+    )
+    parser.add_argument(
+        "--keep-freed-memory", action="store_true", help="glibc malloc keeps freed memory (no page faults)"
+    )
     parser.add_argument("--models", nargs="+", choices=list(MODELS), default=list(MODELS))
     parser.add_argument("--repeats", type=int, default=5)
     parser.add_argument("--peak-of", nargs=3, metavar=("MODEL", "K", "STRATEGY"), help=argparse.SUPPRESS)
     args = parser.parse_args(argv)
+    if args.keep_freed_memory:
+        keep_freed_memory()
     if args.peak_of:
         measure_peak(args.peak_of[0], int(args.peak_of[1]), args.peak_of[2])
         return
     torch.set_num_threads(1)
     torch.manual_seed(0)
     models = args.models
-    sizes = [5] if args.quick else [2, 5, 10]
+    sizes = [5] if args.quick else args.sizes
     for name in models:
         build, shape = MODELS[name]
         for K in sizes:
@@ -200,12 +228,13 @@ def main(argv: list[str] | None = None) -> None:
             count = sum(p.numel() for p in model.parameters())
             results = timed_steps(strategies(model, x, y, K), args.repeats)
             base, micro_base = results["weighted sum"], results["weighted sum, 8 micro-batches"]
-            print(f"\n{name} ({count / 1e6:.1f}M parameters), K={K}, batch {shape[0]}")
+            allocator = "malloc keeps freed memory" if args.keep_freed_memory else "default malloc"
+            print(f"\n{name} ({count / 1e6:.1f}M parameters), K={K}, batch {shape[0]}, {allocator}")
             print("| strategy | ms per step | ratio to weighted sum | peak memory of a step, MB |")
             print("|---|---|---|---|")
             for label, seconds in results.items():
                 reference = micro_base if "micro" in label else base
-                peak = peak_step_memory(name, K, label) / 1e6
+                peak = peak_step_memory(name, K, label, args.keep_freed_memory) / 1e6
                 print(f"| {label} | {seconds * 1e3:.1f} | {seconds / reference:.2f} | {peak:.1f} |")
             print_targets(results)
 

@@ -30,6 +30,17 @@ def test_gramian_equals_the_gram_of_concatenated_gradients(K, shapes, chunk_size
     )
 
 
+def test_gramian_of_several_batched_products_and_a_narrow_last_block():
+    # 2 x (2**18 + 5) columns in blocks of 2**17: two batched products of one block each (the
+    # product's entry budget is 2**18), then a last block of 5 columns.
+    grads = [torch.randn(2, 2**18 + 5, generator=torch.Generator().manual_seed(1))]
+    flat = grads[0].double()
+    exact = flat @ flat.T
+    torch.testing.assert_close(mogo.gramian(grads, chunk_size=2**17, dtype=torch.float64), exact)
+    scale = float(exact.diagonal().max())
+    torch.testing.assert_close(mogo.gramian(grads, chunk_size=2**17), exact, rtol=0, atol=1e-6 * scale)
+
+
 def test_gramian_accumulates_float32_gradients_in_float64():
     # In float32, 1 + 1e-8 rounds to 1; in float64 the sum of squares keeps the small entries.
     big = torch.ones(1, 1, dtype=torch.float32)
