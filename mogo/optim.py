@@ -197,9 +197,10 @@ class HarmonizedOptimizer(torch.optim.Optimizer):
                 self._window_weights if self._window_weights is not None else self.amortizer.loss_weights()
             )
             weights = weights.to(device=losses.device, dtype=losses.dtype)
-            total = (weights[active] * losses[active]).sum()
+            complete = bool(active.all())  # else "drop": index, since 0 * NaN is NaN
+            total = weights @ losses if complete else weights[active] @ losses[active]
             (total if shared is None else total + shared.reshape(())).backward()
-            self._dropped = self._dropped or not bool(active.all())
+            self._dropped = self._dropped or not complete
             if self.distributed is not None:
                 self.distributed.note_local_backward()
 
