@@ -12,7 +12,7 @@ from dataclasses import dataclass
 import torch
 from torch import Tensor
 
-from mogo.gram import ZERO_RTOL
+from mogo.gram import nonzero_gradients
 from mogo.weighting import Weights
 
 __all__ = ["ConflictMeter", "ConflictReport"]
@@ -68,7 +68,7 @@ class ConflictReport:
         norms = gram.diagonal().clamp_min(0).sqrt()
         # A gradient the weighting excluded as zero (round-off, e.g. a reward no sample of the
         # batch applies to) has no direction: its cosines are 0, as for an exact zero.
-        norms = torch.where(norms > ZERO_RTOL * norms.max(), norms, 0.0)
+        norms = torch.where(nonzero_gradients(norms), norms, 0.0)
         cosines = _safe_divide(gram, torch.outer(norms, norms))
         baseline = torch.ones(K, dtype=torch.float64) if sum_weights is None else sum_weights.double().cpu()
         loss_weights = weights.loss_weights.detach().cpu()

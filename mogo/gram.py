@@ -146,6 +146,12 @@ ZERO_RTOL = 1e-10
 """Gradients with a norm at most this times the largest count as zero (excluded, no direction)."""
 
 
+def nonzero_gradients(norms: Tensor, rtol: float = ZERO_RTOL) -> Tensor:
+    """``(K,)`` bool: the gradients whose norm (of ``norms``, ``(K,)``) exceeds ``rtol`` times the
+    largest; the others count as zero."""
+    return norms > rtol * norms.max()
+
+
 def normalize_gram(
     G: Tensor,
     mode: Normalization = "l2",
@@ -170,7 +176,7 @@ def normalize_gram(
     G = G.to(torch.float64)
     K = G.shape[0]
     norms = G.diagonal().clamp_min(0.0).sqrt()
-    active = norms > rtol * norms.max()
+    active = nonzero_gradients(norms, rtol)
     if mode == "none":
         return NormalizedGram(G, torch.ones_like(norms), torch.ones_like(active))
     if not active.any():
