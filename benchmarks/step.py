@@ -7,19 +7,21 @@ Strategies, on an MLP (1.1M parameters) and a transformer encoder (about 10M):
 * ``floor``: one forward plus K backward passes with ``retain_graph``, the least a step that
   needs K gradients can cost;
 * ``mogo full (batched | sequential)``: HarmonizedOptimizer harmonizing every step;
-* ``mogo amortized N=5/10/20``: harmonizing every N steps, averaged over 2N steps;
+* ``mogo amortized N=5/10/20``: harmonizing every N steps, timed over N steps;
 * ``mogo 8 micro-batches, N=10``: gradient accumulation, alpha estimated on one micro-batch;
 * ``torchjd MGDA / UPGrad``: ``torchjd.autojac.backward`` + ``jac_to_grad``.
 
-Each step includes forward, backward and the optimizer update (SGD). Times are medians of
-repeated runs of consecutive steps after a warm-up step ("between harmonizations" is a schedule
-that harmonizes only in its warm-up step). Torch keeps no allocator statistics on the CPU, so peak
-memory is the growth of the peak resident set over one step, in a fresh process per strategy.
+Each step includes forward, backward and the optimizer update (SGD). A round runs each strategy
+for a few consecutive steps (N for an amortized one) after one warm-up step for all ("between
+harmonizations" is a schedule that harmonizes only in its warm-up step); ratios are taken within
+a round and their medians over rounds reported, so that the machine's drift in speed cancels.
+Torch keeps no allocator statistics on the CPU, so peak memory is the growth of the peak resident
+set over one step, in a fresh process per strategy.
 
 ``--keep-freed-memory`` stops glibc's malloc from returning freed memory to the system (as
 jemalloc and tcmalloc do), so that a step's fresh tensors do not pay first-touch page faults.
 
-    python benchmarks/step.py [--quick | --sizes 2 5 10] [--repeats 5] [--keep-freed-memory]
+    python benchmarks/step.py [--quick | --sizes 2 5 10] [--rounds 15] [--keep-freed-memory]
                               [--models "MLP 1.1M" "transformer 10M"]
 """
 
@@ -69,20 +71,27 @@ def objective_losses(model: torch.nn.Module, x: torch.Tensor, y: torch.Tensor) -
     return ((model(x) - y) ** 2).mean(0)
 
 
-def timed_steps(steps: dict[str, tuple[Callable[[], None], int]], repeats: int) -> dict[str, float]:
-    """Median over ``repeats`` rounds of each strategy's mean seconds per step over its ``count``
-    consecutive steps. Rounds interleave the strategies, so that drift in the machine's speed
-    affects every ratio alike."""
+def timed_rounds(steps: dict[str, tuple[Callable[[], None], int]], rounds: int) -> dict[str, list[float]]:
+    """Each strategy's mean seconds per step over its ``count`` consecutive steps, in each of
+    ``rounds`` rounds. A round runs every strategy once, in reverse order every other round, so
+    that a ratio taken within a round sees the machine at one speed."""
     for step, _ in steps.values():
         step()
     samples: dict[str, list[float]] = {label: [] for label in steps}
-    for _ in range(repeats):
-        for label, (step, count) in steps.items():
+    labels = list(steps)
+    for round_index in range(rounds):
+        for label in labels if round_index % 2 == 0 else labels[::-1]:
+            step, count = steps[label]
             start = time.perf_counter()
             for _ in range(count):
                 step()
             samples[label].append((time.perf_counter() - start) / count)
-    return {label: statistics.median(values) for label, values in samples.items()}
+    return samples
+
+
+def ratio(samples: dict[str, list[float]], label: str, reference: str) -> float:
+    """Median over rounds of ``label``'s time per step divided by ``reference``'s."""
+    return statistics.median(a / b for a, b in zip(samples[label], samples[reference], strict=True))
 
 
 def strategies(
@@ -131,19 +140,19 @@ def strategies(
         return step
 
     micro = x.shape[0] // 8
-    return {
-        "weighted sum": (weighted_sum, 20),
-        "floor: fwd + K bwd": (floor, 20),
-        "mogo full, batched": (mogo_step(1, "batched"), 20),
-        "mogo full, sequential": (mogo_step(1, "sequential"), 20),
-        "mogo between harmonizations": (mogo_step(10**9, "auto"), 20),
-        "mogo amortized N=5": (mogo_step(5, "auto"), 20),
-        "mogo amortized N=10": (mogo_step(10, "auto"), 20),
-        "mogo amortized N=20": (mogo_step(20, "auto"), 40),
-        "weighted sum, 8 micro-batches": (lambda: weighted_sum_micro(model, sgd, x, y, micro), 20),
-        "mogo 8 micro-batches, N=10": (mogo_step(10, "auto", 8), 20),
-        "torchjd MGDA": (torchjd_step("MGDA"), 20),
-        "torchjd UPGrad": (torchjd_step("UPGrad"), 20),
+    return {  # an amortized strategy runs N steps a round: one harmonization and N - 1 reuses
+        "weighted sum": (weighted_sum, 5),
+        "floor: fwd + K bwd": (floor, 5),
+        "mogo full, batched": (mogo_step(1, "batched"), 5),
+        "mogo full, sequential": (mogo_step(1, "sequential"), 5),
+        "mogo between harmonizations": (mogo_step(10**9, "auto"), 5),
+        "mogo amortized N=5": (mogo_step(5, "auto"), 5),
+        "mogo amortized N=10": (mogo_step(10, "auto"), 10),
+        "mogo amortized N=20": (mogo_step(20, "auto"), 20),
+        "weighted sum, 8 micro-batches": (lambda: weighted_sum_micro(model, sgd, x, y, micro), 5),
+        "mogo 8 micro-batches, N=10": (mogo_step(10, "auto", 8), 10),
+        "torchjd MGDA": (torchjd_step("MGDA"), 5),
+        "torchjd UPGrad": (torchjd_step("UPGrad"), 5),
     }
 
 
@@ -208,7 +217,7 @@ def main(argv: list[str] | None = None) -> None:
         "--keep-freed-memory", action="store_true", help="glibc malloc keeps freed memory (no page faults)"
     )
     parser.add_argument("--models", nargs="+", choices=list(MODELS), default=list(MODELS))
-    parser.add_argument("--repeats", type=int, default=5)
+    parser.add_argument("--rounds", type=int, default=15, help="rounds of every strategy (medians over them)")
     parser.add_argument("--peak-of", nargs=3, metavar=("MODEL", "K", "STRATEGY"), help=argparse.SUPPRESS)
     args = parser.parse_args(argv)
     if args.keep_freed_memory:
@@ -226,32 +235,37 @@ def main(argv: list[str] | None = None) -> None:
             model = build(K)
             x, y = torch.randn(*shape), torch.randn(shape[0], K)
             count = sum(p.numel() for p in model.parameters())
-            results = timed_steps(strategies(model, x, y, K), args.repeats)
-            base, micro_base = results["weighted sum"], results["weighted sum, 8 micro-batches"]
+            samples = timed_rounds(strategies(model, x, y, K), args.rounds)
             allocator = "malloc keeps freed memory" if args.keep_freed_memory else "default malloc"
             print(f"\n{name} ({count / 1e6:.1f}M parameters), K={K}, batch {shape[0]}, {allocator}")
             print("| strategy | ms per step | ratio to weighted sum | peak memory of a step, MB |")
             print("|---|---|---|---|")
-            for label, seconds in results.items():
-                reference = micro_base if "micro" in label else base
+            for label, seconds in samples.items():
+                reference = "weighted sum, 8 micro-batches" if "micro" in label else "weighted sum"
                 peak = peak_step_memory(name, K, label, args.keep_freed_memory) / 1e6
-                print(f"| {label} | {seconds * 1e3:.1f} | {seconds / reference:.2f} | {peak:.1f} |")
-            print_targets(results)
+                milliseconds = statistics.median(seconds) * 1e3
+                print(
+                    f"| {label} | {milliseconds:.1f} | {ratio(samples, label, reference):.2f} | {peak:.1f} |"
+                )
+            print_targets(samples)
 
 
-def print_targets(results: dict[str, float]) -> None:
-    """The issue's targets, as measured in this run."""
-    base = results["weighted sum"]
-    full = min(results["mogo full, batched"], results["mogo full, sequential"])
-    c = full / base
-    amortized = results["mogo amortized N=10"] / base
-    micro = results["mogo 8 micro-batches, N=10"] / results["weighted sum, 8 micro-batches"]
+def print_targets(samples: dict[str, list[float]]) -> None:
+    """The issue's targets, as measured in this run (ratios within rounds, medians over rounds)."""
+    pairs = zip(samples["mogo full, batched"], samples["mogo full, sequential"], strict=True)
+    samples = {**samples, "mogo full": [min(pair) for pair in pairs]}
+
+    def to(label: str, reference: str = "weighted sum") -> float:
+        return ratio(samples, label, reference)
+
+    c = to("mogo full")
+    micro = to("mogo 8 micro-batches, N=10", "weighted sum, 8 micro-batches")
     print(
-        f"full step / floor {full / results['floor: fwd + K bwd']:.2f} (target <= 1.1); "
-        f"full / torchjd MGDA {full / results['torchjd MGDA']:.2f} (<= 1); "
-        f"between harmonizations {results['mogo between harmonizations'] / base:.2f} (<= 1.05); "
-        f"N=10 average {amortized:.2f} against 1 + (c - 1) / 10 = {1 + (c - 1) / 10:.2f} (within 1.1x); "
-        f"8 micro-batches, N=10 {micro:.2f} (<= 1.1)"
+        f"full step / floor {to('mogo full', 'floor: fwd + K bwd'):.2f} (target <= 1.1); "
+        f"full / torchjd MGDA {to('mogo full', 'torchjd MGDA'):.2f} (<= 1); "
+        f"between harmonizations {to('mogo between harmonizations'):.2f} (<= 1.05); "
+        f"N=10 average {to('mogo amortized N=10'):.2f} against 1 + (c - 1) / 10 = {1 + (c - 1) / 10:.2f} "
+        f"(within 1.1x); 8 micro-batches, N=10 {micro:.2f} (<= 1.1)"
     )
 
 

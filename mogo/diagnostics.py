@@ -9,25 +9,26 @@ from __future__ import annotations
 
 from dataclasses import dataclass
 
+import numpy as np
 import torch
 from torch import Tensor
 
-from mogo.gram import nonzero_gradients
+from mogo.gram import host_float64, nonzero_gradients
 from mogo.weighting import Weights
 
 __all__ = ["ConflictMeter", "ConflictReport"]
 
 
-def _safe_divide(numerator: Tensor, denominator: Tensor) -> Tensor:
+def _safe_divide(numerator: np.ndarray, denominator: np.ndarray) -> np.ndarray:
     """``numerator / denominator``, and 0 where the denominator (a product of norms) is 0."""
-    tiny = torch.finfo(denominator.dtype).tiny
-    return torch.where(denominator > 0, numerator / denominator.clamp_min(tiny), 0.0)
+    out = np.zeros(np.broadcast_shapes(numerator.shape, denominator.shape))
+    return np.divide(numerator, denominator, out=out, where=denominator > 0)
 
 
-def _cosines_with(gram: Tensor, norms: Tensor, coefficients: Tensor) -> Tensor:
+def _cosines_with(gram: np.ndarray, norms: np.ndarray, coefficients: np.ndarray) -> np.ndarray:
     """``cos(g_k, sum_j c_j g_j)`` for every k, from the Gram matrix; 0 where a norm is 0."""
     inner = gram @ coefficients
-    return _safe_divide(inner, norms * (coefficients @ inner).clamp_min(0).sqrt())
+    return _safe_divide(inner, norms * np.sqrt(max(coefficients @ inner, 0.0)))
 
 
 @dataclass(frozen=True)
@@ -63,24 +64,22 @@ class ConflictReport:
 
         ``sum_weights`` are the weights of the weighted-sum baseline (equal weights by default).
         """
-        gram = gram.detach().to(device="cpu", dtype=torch.float64)
-        K = gram.shape[0]
-        norms = gram.diagonal().clamp_min(0).sqrt()
+        gram = host_float64(gram)
+        norms = np.sqrt(np.maximum(gram.diagonal(), 0.0))
         # A gradient the weighting excluded as zero (round-off, e.g. a reward no sample of the
         # batch applies to) has no direction: its cosines are 0, as for an exact zero.
-        norms = torch.where(nonzero_gradients(norms), norms, 0.0)
-        cosines = _safe_divide(gram, torch.outer(norms, norms))
-        baseline = torch.ones(K, dtype=torch.float64) if sum_weights is None else sum_weights.double().cpu()
-        loss_weights = weights.loss_weights.detach().cpu()
+        norms = np.where(nonzero_gradients(norms), norms, 0.0)
+        baseline = np.ones(len(norms)) if sum_weights is None else host_float64(sum_weights)
+        loss_weights = host_float64(weights.loss_weights)
         return cls(
             names=names,
-            alpha=weights.alpha.detach().cpu(),
-            loss_weights=loss_weights,
-            norms=norms,
-            cosines=cosines,
-            weighted_sum_cosines=_cosines_with(gram, norms, baseline),
-            harmonized_cosines=_cosines_with(gram, norms, loss_weights),
-            direction_norm=float((loss_weights @ gram @ loss_weights).clamp_min(0).sqrt()),
+            alpha=torch.from_numpy(host_float64(weights.alpha).copy()),
+            loss_weights=torch.from_numpy(loss_weights.copy()),
+            norms=torch.from_numpy(norms),
+            cosines=torch.from_numpy(_safe_divide(gram, np.outer(norms, norms))),
+            weighted_sum_cosines=torch.from_numpy(_cosines_with(gram, norms, baseline)),
+            harmonized_cosines=torch.from_numpy(_cosines_with(gram, norms, loss_weights)),
+            direction_norm=float(np.sqrt(max(loss_weights @ gram @ loss_weights, 0.0))),
             iterations=int(weights.solve.iterations) if weights.solve is not None else 0,
             kkt=float(weights.solve.kkt) if weights.solve is not None else 0.0,
         )

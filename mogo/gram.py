@@ -18,7 +18,9 @@ from collections.abc import Iterable
 from dataclasses import dataclass
 from typing import Literal
 
+import numpy as np
 import torch
+from scipy.linalg.lapack import dpotrf
 from torch import Tensor
 
 __all__ = ["Normalization", "NormalizedGram", "gramian", "normalize_gram"]
@@ -32,15 +34,16 @@ def gramian(
     """Gram matrix ``G = sum_p flat_p flat_p^T`` of K stacked gradients, summed in float64.
 
     The columns are cut into blocks of ``chunk_size``; the blocks' ``K x K`` products are formed
-    in ``dtype``, many blocks to one batched matrix product, and added up in float64. Batched,
-    the products run at about the speed of reading the gradients once: 4.3 ms for K = 10
-    gradients of 1M float32 entries on one CPU core, against 8.7 ms for one product per block of
-    16384 columns. With the default ``dtype`` (the gradients' own, float32 at least) the error is
-    that of a ``chunk_size``-term dot product in that dtype: 2e-9 of the largest diagonal entry
-    on those gradients, below the round-off already in them; pass ``dtype=torch.float64`` for
-    products exact to float64 round-off. A non-finite result (a product beyond float32's range)
-    is recomputed in float64; negative eigenvalues left by float32 products (nearly dependent
-    gradients) are clipped to 0.
+    in ``dtype``, many blocks to one batched matrix product, and added up in float64 (gradients
+    narrower than a block are multiplied together, as one matrix of their columns). Batched, the
+    products run at about the speed of reading the gradients once: 4.3 ms for K = 10 gradients
+    of 1M float32 entries on one CPU core, against 8.7 ms for one product per block of 16384
+    columns. With the default ``dtype`` (the gradients' own, float32 at least) the error is that
+    of a ``chunk_size``-term dot product in that dtype: 2e-9 of the largest diagonal entry on
+    those gradients, below the round-off already in them; pass ``dtype=torch.float64`` for
+    products exact to float64 round-off. The K x K result is finished on the host: a non-finite
+    one (a product beyond float32's range) is recomputed in float64, and negative eigenvalues
+    left by float32 products (nearly dependent gradients) are clipped to 0.
 
     Args:
         stacked_grads: tensors of shape ``[K, *p.shape]``, one per parameter, any dtype/device.
@@ -61,58 +64,68 @@ def gramian(
     if chunk_size < 1:
         raise ValueError(f"chunk_size must be positive, got {chunk_size}")
     stacked_grads = list(stacked_grads)
-    gram: Tensor | None = None
-    K = None
-    inexact = False  # some product was formed below float64
+    if not stacked_grads:
+        raise ValueError("stacked_grads is empty: need at least one [K, *p.shape] tensor")
+    K, device = _objective_count(stacked_grads[0], 0), stacked_grads[0].device
+    gram = torch.zeros(K, K, dtype=torch.float64, device=device)
+    narrow: dict[torch.dtype, list[Tensor]] = {}  # gradients narrower than a block, by product dtype
+    inexact = False  # some product is formed below float64
     for index, grad in enumerate(stacked_grads):
-        if grad.ndim == 0:
-            raise ValueError(f"stacked gradient {index} is a scalar; expected shape [K, *p.shape]")
-        if K is None:
-            K = grad.shape[0]
-            gram = torch.zeros(K, K, dtype=torch.float64, device=grad.device)
-        elif grad.shape[0] != K:
+        if _objective_count(grad, index) != K:
             raise ValueError(f"stacked gradient {index} has {grad.shape[0]} objectives, the first had {K}")
         product_dtype = dtype or torch.promote_types(grad.dtype, torch.float32)
         inexact = inexact or product_dtype != torch.float64
-        gram += _blocked_gram(grad.reshape(K, -1), chunk_size, product_dtype)
-    if gram is None:
-        raise ValueError("stacked_grads is empty: need at least one [K, *p.shape] tensor")
-    if dtype is None and not bool(torch.isfinite(gram).all()):
+        flat = grad.reshape(K, -1)
+        if flat.shape[1] < chunk_size:
+            narrow.setdefault(product_dtype, []).append(flat)
+        else:
+            _add_blocked_gram(gram, flat, chunk_size, product_dtype)
+    for product_dtype, flats in narrow.items():  # one matrix of all of them, in blocks
+        _add_blocked_gram(gram, torch.cat(flats, 1), chunk_size, product_dtype)
+    host = gram.cpu().numpy()
+    if dtype is None and not np.isfinite(host).all():
         return gramian(stacked_grads, chunk_size=chunk_size, dtype=torch.float64)  # overflow, or NaN
-    gram = (gram + gram.T) / 2  # a float32 product of a block with itself is symmetric only to round-off
+    host = (host + host.T) / 2  # a float32 product of a block with itself is symmetric only to round-off
     if inexact:
-        gram = _nearest_psd(gram)
-    return gram
+        host = _nearest_psd(host)
+    return torch.from_numpy(host).to(device)
+
+
+def _objective_count(grad: Tensor, index: int) -> int:
+    if grad.ndim == 0:
+        raise ValueError(f"stacked gradient {index} is a scalar; expected shape [K, *p.shape]")
+    return grad.shape[0]
 
 
 _ELEMENTS_PER_PRODUCT = 1 << 18
 """Gradient entries that :func:`gramian` multiplies in one batched product (1 MiB of float32)."""
 
 
-def _blocked_gram(flat: Tensor, width: int, dtype: torch.dtype) -> Tensor:
-    """``sum_b B_b B_b^T`` (float64) over the column blocks ``B_b`` (``[K, width]``, the last one
-    narrower) of ``flat`` (``[K, n]``), each product formed in ``dtype``."""
+def _add_blocked_gram(gram: Tensor, flat: Tensor, width: int, dtype: torch.dtype) -> None:
+    """Add ``sum_b B_b B_b^T`` to ``gram`` (float64) over the column blocks ``B_b`` (``[K, width]``,
+    the last one narrower) of ``flat`` (``[K, n]``), each product formed in ``dtype``."""
     K, n = flat.shape
     whole = n - n % width  # columns in full blocks
-    total = torch.zeros(K, K, dtype=torch.float64, device=flat.device)
     span = width * max(1, _ELEMENTS_PER_PRODUCT // (K * width))
     for start in range(0, whole, span):
         # [K, m * width] -> [m, K, width]: a view of the m blocks, strided like the gradients
         blocks = flat[:, start : min(start + span, whole)].to(dtype).reshape(K, -1, width).transpose(0, 1)
-        total += torch.bmm(blocks, blocks.transpose(1, 2)).sum(0, dtype=torch.float64)
+        gram += torch.bmm(blocks, blocks.transpose(1, 2)).sum(0, dtype=torch.float64)
     if whole < n:
         tail = flat[:, whole:].to(dtype)
-        total += (tail @ tail.T).to(torch.float64)
-    return total
+        gram += tail @ tail.T
 
 
-def _nearest_psd(gram: Tensor) -> Tensor:
+def _nearest_psd(gram: np.ndarray) -> np.ndarray:
     """``G`` with its negative eigenvalues set to 0: products in float32 can leave eigenvalues of
-    nearly dependent gradients at -1e-8 of the largest diagonal entry, below zero by their error."""
-    values, vectors = torch.linalg.eigh(gram)
-    if bool((values >= 0).all()):
+    nearly dependent gradients at -1e-8 of the largest diagonal entry, below zero by their error.
+    A Cholesky factorisation that succeeds proves ``G`` positive definite, the common case."""
+    if dpotrf(gram)[1] == 0:
         return gram
-    clipped = (vectors * values.clamp_min(0)) @ vectors.T
+    values, vectors = np.linalg.eigh(gram)
+    if (values >= 0).all():
+        return gram
+    clipped = (vectors * np.maximum(values, 0.0)) @ vectors.T
     return (clipped + clipped.T) / 2
 
 
@@ -133,7 +146,7 @@ class NormalizedGram:
     @property
     def excluded(self) -> list[int]:
         """Indices of objectives left out because their gradient norm is (numerically) zero."""
-        return (~self.active).nonzero().flatten().tolist()
+        return np.flatnonzero(~self.active.cpu().numpy()).tolist()
 
     def expand(self, alpha: Tensor) -> Tensor:
         """Scatter ``(A,)`` weights over the active objectives back to ``(K,)``, zeros elsewhere."""
@@ -146,7 +159,13 @@ ZERO_RTOL = 1e-10
 """Gradients with a norm at most this times the largest count as zero (excluded, no direction)."""
 
 
-def nonzero_gradients(norms: Tensor, rtol: float = ZERO_RTOL) -> Tensor:
+def host_float64(tensor: Tensor) -> np.ndarray:
+    """A small tensor (a Gram matrix, K losses) as float64 numpy on the host, where K x K
+    arithmetic costs microseconds; a view when it is there already."""
+    return torch.as_tensor(tensor).detach().to(device="cpu", dtype=torch.float64).numpy()
+
+
+def nonzero_gradients(norms: np.ndarray, rtol: float = ZERO_RTOL) -> np.ndarray:
     """``(K,)`` bool: the gradients whose norm (of ``norms``, ``(K,)``) exceeds ``rtol`` times the
     largest; the others count as zero."""
     return norms > rtol * norms.max()
@@ -167,36 +186,43 @@ def normalize_gram(
         losses: ``(K,)`` positive loss values, required by ``"loss"``.
         rtol: a gradient whose norm is at most ``rtol * max_k ||g_k||`` is excluded.
 
+    Returns:
+        float64 tensors on the device of ``G``, computed on the host.
+
     Raises:
         ValueError: on a malformed ``G``, an unknown mode, missing or non-positive losses, or when
             every gradient is zero (nothing can be normalised).
     """
     if G.ndim != 2 or G.shape[0] != G.shape[1]:
         raise ValueError(f"G must have shape (K, K), got {tuple(G.shape)}")
-    G = G.to(torch.float64)
-    K = G.shape[0]
-    norms = G.diagonal().clamp_min(0.0).sqrt()
+    if mode not in ("l2", "loss", "none"):
+        raise ValueError(f"unknown normalization {mode!r}; use 'l2', 'loss' or 'none'")
+    host = host_float64(G)
+    K = host.shape[0]
+    norms = np.sqrt(np.maximum(host.diagonal(), 0.0))
     active = nonzero_gradients(norms, rtol)
     if mode == "none":
-        return NormalizedGram(G, torch.ones_like(norms), torch.ones_like(active))
-    if not active.any():
+        sub, scale, active = host, np.ones(K), np.ones(K, dtype=bool)
+    elif not active.any():
         raise ValueError(f"every one of the {K} gradients is zero: nothing to normalise with {mode!r}")
-    if mode == "l2":
-        scale = torch.where(active, norms, torch.ones_like(norms))
-    elif mode == "loss":
-        if losses is None:
-            raise ValueError("normalize='loss' needs the loss values: pass losses=")
-        losses = torch.as_tensor(losses).detach().to(device=G.device, dtype=torch.float64).reshape(-1)
-        if losses.shape != (K,):
-            raise ValueError(f"losses must have shape ({K},), got {tuple(losses.shape)}")
-        bad = active & ~(torch.isfinite(losses) & (losses > 0))
-        if bad.any():
-            index = int(bad.nonzero()[0, 0])
-            raise ValueError(
-                f"normalize='loss' needs positive finite losses; objective {index} has {float(losses[index])}"
-            )
-        scale = torch.where(active, losses, torch.ones_like(losses))
     else:
-        raise ValueError(f"unknown normalization {mode!r}; use 'l2', 'loss' or 'none'")
-    sub = G[active][:, active] / torch.outer(scale[active], scale[active])
-    return NormalizedGram(sub, scale, active)
+        scale = np.where(active, norms if mode == "l2" else _positive_losses(losses, active), 1.0)
+        kept = scale[active]
+        sub = host[np.ix_(active, active)] / np.outer(kept, kept)
+    return NormalizedGram(*(torch.from_numpy(a).to(G.device) for a in (sub, scale, active)))
+
+
+def _positive_losses(losses: Tensor | None, active: np.ndarray) -> np.ndarray:
+    """The K losses of ``normalize="loss"`` as float64, checked positive where ``active``."""
+    if losses is None:
+        raise ValueError("normalize='loss' needs the loss values: pass losses=")
+    values = host_float64(losses).reshape(-1)
+    if values.shape != active.shape:
+        raise ValueError(f"losses must have shape {active.shape}, got {values.shape}")
+    bad = active & ~(np.isfinite(values) & (values > 0))
+    if bad.any():
+        index = int(np.flatnonzero(bad)[0])
+        raise ValueError(
+            f"normalize='loss' needs positive finite losses; objective {index} has {values[index]}"
+        )
+    return values

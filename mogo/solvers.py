@@ -185,10 +185,8 @@ def _prepare(G: np.ndarray, round_off: float) -> tuple[np.ndarray, np.ndarray]:
             _diagnose(G, round_off)
         normalized = G / np.where(zero, 1.0, scale)[:, None, None]
     transposed = normalized.transpose(0, 2, 1)
-    with np.errstate(invalid="ignore"):  # an off-diagonal Inf: inf - inf, caught just below
-        symmetric = np.abs(normalized - transposed).max() <= round_off
-    if not symmetric:
-        _diagnose(G, round_off)
+    if not np.isfinite(normalized).all() or not np.abs(normalized - transposed).max() <= round_off:
+        _diagnose(G, round_off)  # an Inf off the diagonal, or asymmetry
     normalized = 0.5 * (normalized + transposed)
     # Cholesky of G + round_off I exists iff no eigenvalue is below -round_off. Eigenvalues that
     # are negative by round-off only are harmless to Wolfe's method and are left in place.
@@ -264,8 +262,8 @@ def _closed_form(G: np.ndarray) -> np.ndarray:
         return np.ones((G.shape[0], 1))
     a, b, c = G[:, 0, 0], G[:, 1, 1], G[:, 0, 1]
     curvature = a + b - 2 * c  # ||p_1 - p_2||^2
-    with np.errstate(divide="ignore", invalid="ignore"):
-        first = np.where(curvature > 0, np.clip((b - c) / curvature, 0.0, 1.0), 0.5)
+    first = np.divide(b - c, curvature, out=np.full_like(curvature, 0.5), where=curvature > 0)
+    np.clip(first, 0.0, 1.0, out=first)
     return np.stack([first, 1.0 - first], axis=-1)
 
 
