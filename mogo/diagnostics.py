@@ -13,7 +13,7 @@ import numpy as np
 import torch
 from torch import Tensor
 
-from mogo.gram import host_float64, nonzero_gradients
+from mogo.gram import gradient_norms, host_float64, nonzero_gradients
 from mogo.weighting import Weights
 
 __all__ = ["ConflictMeter", "ConflictReport"]
@@ -65,7 +65,7 @@ class ConflictReport:
         ``sum_weights`` are the weights of the weighted-sum baseline (equal weights by default).
         """
         gram = host_float64(gram)
-        norms = np.sqrt(np.maximum(gram.diagonal(), 0.0))
+        norms = gradient_norms(gram)
         # A gradient the weighting excluded as zero (round-off, e.g. a reward no sample of the
         # batch applies to) has no direction: its cosines are 0, as for an exact zero.
         norms = np.where(nonzero_gradients(norms), norms, 0.0)

@@ -165,6 +165,12 @@ def host_float64(tensor: Tensor) -> np.ndarray:
     return torch.as_tensor(tensor).detach().to(device="cpu", dtype=torch.float64).numpy()
 
 
+def gradient_norms(gram: np.ndarray) -> np.ndarray:
+    """``(K,)`` ``||g_k|| = sqrt(G_kk)`` from a host Gram matrix (``G_kk`` below 0 by round-off
+    counts as 0)."""
+    return np.sqrt(np.maximum(gram.diagonal(), 0.0))
+
+
 def nonzero_gradients(norms: np.ndarray, rtol: float = ZERO_RTOL) -> np.ndarray:
     """``(K,)`` bool: the gradients whose norm (of ``norms``, ``(K,)``) exceeds ``rtol`` times the
     largest; the others count as zero."""
@@ -199,7 +205,7 @@ def normalize_gram(
         raise ValueError(f"unknown normalization {mode!r}; use 'l2', 'loss' or 'none'")
     host = host_float64(G)
     K = host.shape[0]
-    norms = np.sqrt(np.maximum(host.diagonal(), 0.0))
+    norms = gradient_norms(host)
     active = nonzero_gradients(norms, rtol)
     if mode == "none":
         sub, scale, active = host, np.ones(K), np.ones(K, dtype=bool)

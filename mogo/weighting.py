@@ -15,11 +15,10 @@ from __future__ import annotations
 from dataclasses import dataclass
 from typing import Literal, Protocol
 
-import numpy as np
 import torch
 from torch import Tensor
 
-from mogo.gram import Normalization, host_float64, normalize_gram
+from mogo.gram import Normalization, gradient_norms, host_float64, normalize_gram
 from mogo.solvers import Method, MinNormResult, min_norm
 
 __all__ = ["MinNorm", "WeightedSum", "Weighting", "Weights"]
@@ -92,7 +91,7 @@ class MinNorm:
         normalized = normalize_gram(gram, self.normalize, losses=losses)
         result = min_norm(normalized.gram, method=self.method)
         if self.scale == "mean_norm":
-            scale = float(np.sqrt(np.maximum(host_float64(gram).diagonal(), 0.0)).mean())
+            scale = float(gradient_norms(host_float64(gram)).mean())
         else:
             scale = 1.0 if self.scale == "unit" else float(self.scale)
         scale = torch.tensor(scale, dtype=torch.float64, device=gram.device)
