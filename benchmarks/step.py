@@ -20,9 +20,11 @@ set over one step, in a fresh process per strategy.
 
 ``--keep-freed-memory`` stops glibc's malloc from returning freed memory to the system (as
 jemalloc and tcmalloc do), so that a step's fresh tensors do not pay first-touch page faults.
+``--breakdown`` adds where a harmonization step's time goes: the mean time in each ``mogo.*``
+range of a ``torch.profiler`` trace, next to the floor. ``--batch`` sets the batch size.
 
     python benchmarks/step.py [--quick | --sizes 2 5 10] [--rounds 15] [--keep-freed-memory]
-                              [--models "MLP 1.1M" "transformer 10M"]
+                              [--models "MLP 1.1M" "transformer 10M"] [--batch 256] [--breakdown]
 """
 
 from __future__ import annotations
@@ -67,11 +69,21 @@ MODELS: dict[str, tuple[Callable[[int], torch.nn.Module], tuple[int, ...]]] = {
 }
 
 
+def inputs(shape: tuple[int, ...], K: int, batch: int | None) -> tuple[torch.Tensor, torch.Tensor]:
+    """Random inputs of ``shape`` (its batch size replaced by ``batch``, if given) and K targets."""
+    shape = (batch or shape[0], *shape[1:])
+    return torch.randn(*shape), torch.randn(shape[0], K)
+
+
 def objective_losses(model: torch.nn.Module, x: torch.Tensor, y: torch.Tensor) -> torch.Tensor:
     return ((model(x) - y) ** 2).mean(0)
 
 
-def timed_rounds(steps: dict[str, tuple[Callable[[], None], int]], rounds: int) -> dict[str, list[float]]:
+Steps = dict[str, tuple[Callable[[], None], int]]
+"""Strategies by label: a function running one step, and how many consecutive steps a round runs."""
+
+
+def timed_rounds(steps: Steps, rounds: int) -> dict[str, list[float]]:
     """Each strategy's mean seconds per step over its ``count`` consecutive steps, in each of
     ``rounds`` rounds. A round runs every strategy once, in reverse order every other round, so
     that a ratio taken within a round sees the machine at one speed."""
@@ -94,9 +106,7 @@ def ratio(samples: dict[str, list[float]], label: str, reference: str) -> float:
     return statistics.median(a / b for a, b in zip(samples[label], samples[reference], strict=True))
 
 
-def strategies(
-    model: torch.nn.Module, x: torch.Tensor, y: torch.Tensor, K: int
-) -> dict[str, tuple[Callable, int]]:
+def strategies(model: torch.nn.Module, x: torch.Tensor, y: torch.Tensor, K: int) -> Steps:
     params = list(model.parameters())
     sgd = torch.optim.SGD(params, lr=1e-6)
 
@@ -179,21 +189,53 @@ def keep_freed_memory() -> None:
         raise SystemExit("--keep-freed-memory: glibc's mallopt refused the thresholds")
 
 
-def peak_step_memory(model_name: str, K: int, label: str, keep_freed: bool) -> float:
+def breakdown(steps: Steps, count: int = 10) -> dict[str, dict[str, float]]:
+    """Mean milliseconds per step in each ``mogo.*`` profiler range, for the two full strategies."""
+    table: dict[str, dict[str, float]] = {}
+    for label in ("mogo full, batched", "mogo full, sequential"):
+        step, _ = steps[label]
+        step()
+        with torch.profiler.profile(activities=[torch.profiler.ProfilerActivity.CPU]) as profile:
+            for _ in range(count):
+                step()
+        table[label] = {
+            event.key: event.cpu_time_total / count / 1e3
+            for event in profile.key_averages()
+            if event.key.startswith("mogo.")
+        }
+    return table
+
+
+def print_breakdown(table: dict[str, dict[str, float]], samples: dict[str, list[float]]) -> None:
+    labels = list(table)
+    floor = statistics.median(samples["floor: fwd + K bwd"]) * 1e3
+    print(f"\nWhere a full step goes, ms per step under torch.profiler (floor: {floor:.1f} ms unprofiled)")
+    print(f"| range | {' | '.join(labels)} |")
+    print("|---|" + "---|" * len(labels))
+    for name in RANGES:
+        print(f"| {name} | " + " | ".join(f"{table[label].get(name, 0.0):.2f}" for label in labels) + " |")
+    whole = " | ".join(f"{statistics.median(samples[label]) * 1e3:.2f}" for label in labels)
+    print(f"| whole step, unprofiled | {whole} |")
+
+
+RANGES = ["mogo.objective_grads", "mogo.gramian", "mogo.weighting", "mogo.combine", "mogo.report"]
+
+
+def peak_step_memory(model_name: str, K: int, label: str, keep_freed: bool, batch: int) -> float:
     """Bytes by which one step of ``label`` raises the peak resident set of a fresh process."""
-    command = [sys.executable, __file__, "--peak-of", model_name, str(K), label]
+    command = [sys.executable, __file__, "--peak-of", model_name, str(K), label, "--batch", str(batch)]
     command += ["--keep-freed-memory"] if keep_freed else []
     result = subprocess.run(command, capture_output=True, text=True, check=True)
     return float(result.stdout.split()[-1])
 
 
-def measure_peak(model_name: str, K: int, label: str) -> None:
+def measure_peak(model_name: str, K: int, label: str, batch: int | None) -> None:
     """In the child process: set up, then print the growth of ru_maxrss over one step."""
     torch.set_num_threads(1)
     torch.manual_seed(0)
     build, shape = MODELS[model_name]
     model = build(K)
-    x, y = torch.randn(*shape), torch.randn(shape[0], K)
+    x, y = inputs(shape, K, batch)
     step, _ = strategies(model, x, y, K)[label]
     before = peak_resident_bytes()
     step()
@@ -218,12 +260,16 @@ def main(argv: list[str] | None = None) -> None:
     )
     parser.add_argument("--models", nargs="+", choices=list(MODELS), default=list(MODELS))
     parser.add_argument("--rounds", type=int, default=15, help="rounds of every strategy (medians over them)")
+    parser.add_argument(
+        "--batch", type=int, help="batch size (default: 256 for the MLP, 8 for the transformer)"
+    )
+    parser.add_argument("--breakdown", action="store_true", help="time in each mogo.* profiler range")
     parser.add_argument("--peak-of", nargs=3, metavar=("MODEL", "K", "STRATEGY"), help=argparse.SUPPRESS)
     args = parser.parse_args(argv)
     if args.keep_freed_memory:
         keep_freed_memory()
     if args.peak_of:
-        measure_peak(args.peak_of[0], int(args.peak_of[1]), args.peak_of[2])
+        measure_peak(args.peak_of[0], int(args.peak_of[1]), args.peak_of[2], args.batch)
         return
     torch.set_num_threads(1)
     torch.manual_seed(0)
@@ -233,21 +279,24 @@ def main(argv: list[str] | None = None) -> None:
         build, shape = MODELS[name]
         for K in sizes:
             model = build(K)
-            x, y = torch.randn(*shape), torch.randn(shape[0], K)
+            x, y = inputs(shape, K, args.batch)
             count = sum(p.numel() for p in model.parameters())
-            samples = timed_rounds(strategies(model, x, y, K), args.rounds)
+            steps = strategies(model, x, y, K)
+            samples = timed_rounds(steps, args.rounds)
             allocator = "malloc keeps freed memory" if args.keep_freed_memory else "default malloc"
-            print(f"\n{name} ({count / 1e6:.1f}M parameters), K={K}, batch {shape[0]}, {allocator}")
+            print(f"\n{name} ({count / 1e6:.1f}M parameters), K={K}, batch {x.shape[0]}, {allocator}")
             print("| strategy | ms per step | ratio to weighted sum | peak memory of a step, MB |")
             print("|---|---|---|---|")
             for label, seconds in samples.items():
                 reference = "weighted sum, 8 micro-batches" if "micro" in label else "weighted sum"
-                peak = peak_step_memory(name, K, label, args.keep_freed_memory) / 1e6
+                peak = peak_step_memory(name, K, label, args.keep_freed_memory, x.shape[0]) / 1e6
                 milliseconds = statistics.median(seconds) * 1e3
                 print(
                     f"| {label} | {milliseconds:.1f} | {ratio(samples, label, reference):.2f} | {peak:.1f} |"
                 )
             print_targets(samples)
+            if args.breakdown:
+                print_breakdown(breakdown(steps), samples)
 
 
 def print_targets(samples: dict[str, list[float]]) -> None:

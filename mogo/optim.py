@@ -15,10 +15,12 @@ from __future__ import annotations
 
 from collections import OrderedDict
 from collections.abc import Callable, Iterable, Sequence
+from contextlib import AbstractContextManager, nullcontext
 from typing import Any, Literal
 
 import torch
 from torch import Tensor
+from torch.autograd.profiler import record_function
 
 from mogo.amortize import AmortizedWeights
 from mogo.diagnostics import ConflictMeter, ConflictReport
@@ -247,7 +249,8 @@ class HarmonizedOptimizer(torch.optim.Optimizer):
             if self._workspace is None or [b.shape for b in self._workspace] != shapes:
                 self._workspace = [p.new_empty(shape) for p, shape in zip(params, shapes, strict=True)]
             out = self._workspace
-        grads, self.grad_mode = objective_grads(rows, params, mode=self.grad_mode, out=out)
+        with _region("mogo.objective_grads"):
+            grads, self.grad_mode = objective_grads(rows, params, mode=self.grad_mode, out=out)
         if self.distributed is None:
             return grads
         return self.distributed.reduce_grads([local_shards(g, p) for g, p in zip(grads, params, strict=True)])
@@ -289,7 +292,8 @@ class HarmonizedOptimizer(torch.optim.Optimizer):
         the ``A`` active objectives) and add ``sum_k w_k g_k`` to ``.grad``."""
         params = self._trainable()
         harmonized = [g for g, p in zip(rows, params, strict=True) if id(p) in self._harmonized]
-        gram = gramian(harmonized) if self.distributed is None else self.distributed.gram(harmonized)
+        with _region("mogo.gramian"):
+            gram = gramian(harmonized) if self.distributed is None else self.distributed.gram(harmonized)
         if not bool(torch.isfinite(gram).all()):
             finite_rows = torch.isfinite(gram).all(dim=1).cpu()
             values = torch.zeros(len(self.objectives), dtype=torch.float64)  # NaN marks a bad gradient
@@ -303,16 +307,19 @@ class HarmonizedOptimizer(torch.optim.Optimizer):
             gram = gram[keep_rows][:, keep_rows]
             losses = losses[keep_rows.to(losses.device)]
             active = active & kept
-        weights = self.weighting(gram, losses.to(torch.float64))
-        expanded = self._expand(weights, active)
-        self.amortizer.update(expanded)
-        loss_weights = weights.loss_weights
-        self._add_to_grads([_combine(loss_weights, g) for g in rows], owned=True)
+        with _region("mogo.weighting"):
+            weights = self.weighting(gram, losses.to(torch.float64))
+            expanded = self._expand(weights, active)
+            self.amortizer.update(expanded)
+        with _region("mogo.combine"):
+            loss_weights = weights.loss_weights
+            self._add_to_grads([_combine(loss_weights, g) for g in rows], owned=True)
         self._window_weights = expanded.loss_weights
-        names = tuple(name for name, ok in zip(self.objectives, active.tolist(), strict=True) if ok)
-        sum_weights = None if self.sum_weights is None else self.sum_weights[active.cpu()]
-        self.last_report = ConflictReport.from_gram(gram, weights, names, sum_weights)
-        self.meter.update(self.last_report)
+        with _region("mogo.report"):
+            names = tuple(name for name, ok in zip(self.objectives, active.tolist(), strict=True) if ok)
+            sum_weights = None if self.sum_weights is None else self.sum_weights[active.cpu()]
+            self.last_report = ConflictReport.from_gram(gram, weights, names, sum_weights)
+            self.meter.update(self.last_report)
 
     def harmonize(self) -> None:
         """Make ``.grad`` final: with ``accumulation="window"``, solve on the window's summed
@@ -433,6 +440,12 @@ class HarmonizedOptimizer(torch.optim.Optimizer):
             f"weighting={self.weighting!r}, harmonize_every={self.amortizer.harmonize_every}, "
             f"alpha_ema={self.amortizer.alpha_ema})"
         )
+
+
+def _region(name: str) -> AbstractContextManager:
+    """A named range in ``torch.profiler`` traces while a profiler runs (``mogo.gramian``, ...);
+    otherwise nothing, since a ``record_function`` costs about 10 us."""
+    return record_function(name) if torch._C._autograd._profiler_enabled() else nullcontext()
 
 
 def _combine(weights: Tensor, stacked: Tensor) -> Tensor:

@@ -8,6 +8,7 @@ import sys
 from pathlib import Path
 
 import pytest
+import torch
 
 ROOT = Path(__file__).resolve().parent.parent
 
@@ -85,3 +86,15 @@ def test_train_step_benchmark_quick_run_prints_its_table():
     rows = [line for line in result.stdout.splitlines() if line.startswith("| marble")]
     assert len(rows) == 3
     assert all(float(row.split("|")[3]) > 0 for row in rows)
+
+
+def test_step_benchmark_breakdown_times_every_mogo_range():
+    step = load(ROOT / "benchmarks" / "step.py")
+    model = torch.nn.Sequential(torch.nn.Linear(512, 32), torch.nn.ReLU(), torch.nn.Linear(32, 2))
+    x, y = step.inputs((256, 512), 2, 64)
+    assert x.shape == (64, 512)
+    assert y.shape == (64, 2)
+    table = step.breakdown(step.strategies(model, x, y, 2), count=2)
+    for label in ("mogo full, batched", "mogo full, sequential"):
+        assert set(table[label]) == set(step.RANGES)
+        assert all(milliseconds > 0 for milliseconds in table[label].values())
