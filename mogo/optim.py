@@ -442,10 +442,14 @@ class HarmonizedOptimizer(torch.optim.Optimizer):
         )
 
 
+# torch's own test of a running profiler (private; where it is missing, every range is recorded)
+_profiler_enabled = getattr(torch._C._autograd, "_profiler_enabled", lambda: True)
+
+
 def _region(name: str) -> AbstractContextManager:
     """A named range in ``torch.profiler`` traces while a profiler runs (``mogo.gramian``, ...);
     otherwise nothing, since a ``record_function`` costs about 10 us."""
-    return record_function(name) if torch._C._autograd._profiler_enabled() else nullcontext()
+    return record_function(name) if _profiler_enabled() else nullcontext()
 
 
 def _combine(weights: Tensor, stacked: Tensor) -> Tensor:
