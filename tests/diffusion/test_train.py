@@ -278,7 +278,8 @@ def test_a_resume_refuses_every_config_change_it_cannot_honour(tiny_dir, one_epo
     assert sorted(p.name for p in (run / "checkpoints").iterdir()) == ["step-000001"]
     switched = Trainer(config(tiny_dir, run, "weighted_sum", epochs=2))
     with pytest.raises(
-        ConfigError, match=r"^strategy\.name, .*strategy\.name: 'marble' in the checkpoint, 'weighted_sum' now"
+        ConfigError,
+        match=r"^strategy\.name, .*strategy\.name: 'marble' in the checkpoint, 'weighted_sum' now",
     ):
         switched.resume("latest")
     assert switched.epoch == 0
