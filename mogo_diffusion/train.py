@@ -445,8 +445,8 @@ class Trainer:
         {"train.epochs", "train.eval_every", "train.checkpoint_every", "train.log_every", "train.log_with",
          "train.out_dir", "train.reward_threads", "sampling.eval_prompts", "sampling.eval_num_steps"}
     )  # fmt: skip
-    """The config fields a resumed run may set apart from its checkpoint's: what is logged, evaluated
-    and saved, and how long it runs. A resume refuses every other difference, since the saved
+    """The config fields a resumed run may set apart from its checkpoint's (what is logged, evaluated
+    and saved, and how long it runs). A resume refuses every other difference, since the saved
     state (optimizer, amortizer, adapters) carries the checkpoint's values."""
 
     def resume(self, path: str | Path) -> None:
