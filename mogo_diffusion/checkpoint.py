@@ -103,13 +103,14 @@ def _nonfinite(tensors: dict[str, torch.Tensor]) -> list[str]:
     ]
 
 
-def _digest(file: Path) -> str:
-    """The SHA-256 of ``file``, after flushing it to the disk."""
+def _digest(file: Path, *, flush: bool = False) -> str:
+    """The SHA-256 of ``file``; with ``flush``, after flushing the file to the disk."""
     digest = hashlib.sha256()
     with file.open("rb") as handle:
         while chunk := handle.read(1 << 20):
             digest.update(chunk)
-        os.fsync(handle.fileno())
+        if flush:
+            os.fsync(handle.fileno())
     return digest.hexdigest()
 
 
@@ -128,10 +129,10 @@ def _write_manifest(directory: Path) -> None:
     for file in sorted(p for p in directory.rglob("*") if p.is_file() and p.name != MANIFEST):
         files[file.relative_to(directory).as_posix()] = {
             "bytes": file.stat().st_size,
-            "sha256": _digest(file),
+            "sha256": _digest(file, flush=True),
         }
     (directory / MANIFEST).write_text(json.dumps({"format": _FORMAT, "files": files}, indent=1))
-    _digest(directory / MANIFEST)  # flushed to the disk before the rename that publishes it
+    _digest(directory / MANIFEST, flush=True)  # on the disk before the rename that publishes it
     _fsync_directory(directory)
 
 
@@ -256,6 +257,8 @@ def verify_checkpoint(path: str | os.PathLike) -> None:
     """
     path = Path(path)
     manifest = path / MANIFEST
+    if not path.is_dir():
+        raise CheckpointError(f"checkpoint {str(path)!r} does not exist or is not a directory")
     if not manifest.is_file():
         raise CheckpointError(
             f"checkpoint {str(path)!r} has no {MANIFEST}: it is incomplete, not a checkpoint, or was "

@@ -143,6 +143,8 @@ def test_latest_skips_a_step_folder_without_a_manifest(tmp_path):
     with pytest.raises(CheckpointError, match=r"step-000002' has no manifest\.json"):
         load_checkpoint(tmp_path / "step-000002")
     assert latest_checkpoint(tmp_path / "absent") is None
+    with pytest.raises(CheckpointError, match=r"step-000009' does not exist or is not a directory"):
+        load_checkpoint(tmp_path / "step-000009")
 
 
 def test_a_failed_rename_of_a_resave_keeps_the_old_checkpoint(tmp_path, monkeypatch):

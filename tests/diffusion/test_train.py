@@ -344,6 +344,26 @@ def save_config(tiny_dir, out, where) -> Path:
     return path
 
 
+def test_damaged_tensor_bytes_are_refused_before_anything_changes(tiny_dir, one_epoch_run, tmp_path):
+    """D10: 64 bytes overwritten in the middle of tensors.safetensors resumed (rc 0) into NaN."""
+    run = copy_run(one_epoch_run, tmp_path / "run")
+    tensors = run / "checkpoints" / "step-000001" / "tensors.safetensors"
+    data = bytearray(tensors.read_bytes())
+    data[len(data) // 2 - 32 : len(data) // 2 + 32] = b"\xff" * 64
+    tensors.write_bytes(bytes(data))
+    fresh = Trainer(config(tiny_dir, run, "marble", epochs=2))
+    before = lora_vector(fresh)
+    with (
+        pytest.warns(UserWarning, match="skipping a damaged checkpoint"),
+        pytest.raises(CheckpointError, match=r"step-000001/tensors\.safetensors' differs from its hash"),
+    ):
+        fresh.resume("latest")
+    with pytest.raises(CheckpointError, match=r"step-000001/tensors\.safetensors' differs from its hash"):
+        fresh.resume(tensors.parent)
+    assert fresh.epoch == 0
+    assert torch.equal(lora_vector(fresh), before)
+
+
 def test_the_lora_export_is_part_of_the_checkpoint(one_epoch_run, tmp_path):
     """D14: lora/ was written after the rename, outside any check; now it is hashed with the rest."""
     run = copy_run(one_epoch_run, tmp_path / "run")
