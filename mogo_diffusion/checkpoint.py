@@ -17,6 +17,14 @@ checkpoint that was complete before the save complete, and the new one either co
 
 Loading verifies every file against the manifest and refuses non-finite tensors, so a damaged
 checkpoint raises :class:`CheckpointError` naming the file instead of resuming into NaN.
+
+>>> import tempfile
+>>> root = tempfile.mkdtemp()
+>>> path = save_checkpoint(root, 3, {"epoch": 3, "weights": [torch.ones(2), torch.zeros(3)]})
+>>> sorted(p.name for p in path.iterdir())
+['manifest.json', 'state.json', 'tensors.safetensors']
+>>> load_checkpoint(latest_checkpoint(root))["weights"][0]
+tensor([1., 1.])
 """
 
 from __future__ import annotations
