@@ -446,8 +446,9 @@ class Trainer:
          "train.out_dir", "train.reward_threads", "sampling.eval_prompts", "sampling.eval_num_steps"}
     )  # fmt: skip
     """The config fields a resumed run may set apart from its checkpoint's (what is logged, evaluated
-    and saved, and how long it runs). A resume refuses every other difference, since the saved
-    state (optimizer, amortizer, adapters) carries the checkpoint's values."""
+    and saved, and how long it runs). A resume refuses every other difference: the saved state
+    (optimizer, amortizer, adapters) carries the checkpoint's values of some (``train.lr``,
+    ``strategy.harmonize_every``), and changing the others would continue a different run."""
 
     def resume(self, path: str | Path) -> None:
         """Continue from a checkpoint directory, or ``"latest"`` in this run's directory.
