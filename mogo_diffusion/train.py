@@ -23,6 +23,7 @@ logged as ``eval/{name}``. The run directory gets ``config.yaml``, ``metrics.jso
 from __future__ import annotations
 
 import argparse
+import copy
 import json
 import math
 import time
@@ -40,7 +41,13 @@ from tqdm.auto import tqdm
 import mogo
 from mogo_diffusion import models
 from mogo_diffusion.advantages import per_reward_advantages, weighted_sum_advantages, zscore_rewards
-from mogo_diffusion.checkpoint import checkpoint_path, latest_checkpoint, load_checkpoint, save_checkpoint
+from mogo_diffusion.checkpoint import (
+    CheckpointError,
+    checkpoint_path,
+    latest_checkpoint,
+    load_checkpoint,
+    save_checkpoint,
+)
 from mogo_diffusion.config import Config, ConfigError, add_config_arguments, config_from_args
 from mogo_diffusion.evaluate import nan_mean, plot_run, save_grid
 from mogo_diffusion.nft import kl_loss, nft_coefficients, nft_loss, nft_losses, nft_terms
@@ -420,17 +427,43 @@ class Trainer:
         }
 
     def save(self) -> Path:
-        """Write a checkpoint (on the main process; every process has the same state) and return
-        its path."""
+        """Write a checkpoint, its diffusers-format ``lora/`` export included in the same atomic
+        rename (on the main process; every process has the same state), and return its path."""
         path = checkpoint_path(self.out / "checkpoints", self.epoch)
         if self.accelerator.is_main_process:
-            save_checkpoint(self.out / "checkpoints", self.epoch, self.state())
-            models.save_lora(self.transformer, path / "lora")
+            save_checkpoint(
+                self.out / "checkpoints",
+                self.epoch,
+                self.state(),
+                write_extra=lambda staging: models.save_lora(self.transformer, staging / "lora"),
+            )
         self.accelerator.wait_for_everyone()
         return path
 
+    _ABSENT = "(absent)"
+    resume_may_change: frozenset[str] = frozenset(
+        {"train.epochs", "train.eval_every", "train.checkpoint_every", "train.log_every", "train.log_with",
+         "train.out_dir", "train.reward_threads", "sampling.eval_prompts", "sampling.eval_num_steps"}
+    )  # fmt: skip
+    """The config fields a resumed run may set apart from its checkpoint's (what is logged, evaluated
+    and saved, and how long it runs). A resume refuses every other difference: the saved state
+    (optimizer, amortizer, adapters) carries the checkpoint's values of some (``train.lr``,
+    ``strategy.harmonize_every``), and changing the others would continue a different run."""
+
     def resume(self, path: str | Path) -> None:
-        """Continue from a checkpoint directory, or ``"latest"`` in this run's directory."""
+        """Continue from a checkpoint directory, or ``"latest"`` in this run's directory.
+
+        Everything is checked before anything of the running state changes: the files against
+        their hashes, the state's structure and shapes, and this run's config against the
+        checkpoint's (equal but for :attr:`resume_may_change`).
+
+        Raises:
+            FileNotFoundError: ``"latest"``, and the run has no checkpoint.
+            CheckpointError: the checkpoint is damaged, or its state does not fit this run; the
+                message names the file and the field.
+            ConfigError: the config differs from the checkpoint's where a resume cannot honour
+                it; the message names every such field with both values.
+        """
         if str(path) == "latest":
             found = latest_checkpoint(self.out / "checkpoints")
             if found is None:
@@ -438,21 +471,100 @@ class Trainer:
                     f"--resume latest: no checkpoint in {str(self.out / 'checkpoints')!r}"
                 )
             path = found
+        path = Path(path)
         state = load_checkpoint(path)
+        self._check_resumable(state, path)
+        previous = copy.deepcopy(self.optimizer.state_dict())
+        try:
+            self.optimizer.load_state_dict(state["optimizer"])
+        except (KeyError, TypeError, ValueError, IndexError, RuntimeError) as error:
+            self.optimizer.load_state_dict(previous)
+            where = repr(str(path / "state.json"))
+            raise CheckpointError(
+                f"{where}: field 'optimizer' does not fit this run's optimizer: {error!r}"
+            ) from error
         old = models.lora_parameters(self.transformer, models.OLD)
-        for name, saved, current in (("trained", state["trained"], self.params), ("old", state["old"], old)):
-            shapes = [tuple(t.shape) for t in saved]
-            if shapes != [tuple(p.shape) for p in current]:
-                raise ValueError(
-                    f"checkpoint {str(path)!r}: its {name} adapter does not match this model's "
-                    f"(first shapes {shapes[:3]})"
-                )
-        self.optimizer.load_state_dict(state["optimizer"])
         with torch.no_grad():
             for p, value in zip([*self.params, *old], [*state["trained"], *state["old"]], strict=True):
                 p.copy_(value)
         self.eval_ema = [t.to(p.device) for t, p in zip(state["eval_ema"], self.params, strict=True)]
-        self.epoch = int(state["epoch"])
+        self.epoch = state["epoch"]
+
+    def _check_resumable(self, state: Any, path: Path) -> None:
+        """Raise unless ``state`` (loaded from checkpoint ``path``) fits this run (see :meth:`resume`)."""
+        where = repr(str(path / "state.json"))
+        fields = ("epoch", "trained", "old", "eval_ema", "optimizer", "config")
+        if not isinstance(state, dict):
+            raise CheckpointError(
+                f"{where} must hold an object with the fields {', '.join(fields)}, got {type(state).__name__}"
+            )
+        if missing := [name for name in fields if name not in state]:
+            raise CheckpointError(f"{where} lacks the fields {', '.join(missing)}")
+        epoch = state["epoch"]
+        if type(epoch) is not int or epoch < 0:
+            raise CheckpointError(f"{where}: field 'epoch' must be a non-negative integer, got {epoch!r}")
+        old = models.lora_parameters(self.transformer, models.OLD)
+        for name, current in (("trained", self.params), ("old", old), ("eval_ema", self.params)):
+            saved = state[name]
+            if not isinstance(saved, list) or not all(
+                isinstance(t, torch.Tensor) and t.is_floating_point() for t in saved
+            ):
+                raise CheckpointError(f"{where}: field {name!r} must be a list of floating tensors")
+            if len(saved) != len(current):
+                raise CheckpointError(
+                    f"{where}: field {name!r} has {len(saved)} tensors where this model's adapter has "
+                    f"{len(current)}"
+                )
+            for i, (t, p) in enumerate(zip(saved, current, strict=True)):
+                if t.shape != p.shape:
+                    raise CheckpointError(
+                        f"{where}: field {name!r}: tensor {i} has shape {tuple(t.shape)} where this "
+                        f"model's adapter has {tuple(p.shape)}"
+                    )
+        for name in ("optimizer", "config"):
+            if not isinstance(state[name], dict):
+                raise CheckpointError(
+                    f"{where}: field {name!r} must be an object, got {type(state[name]).__name__}"
+                )
+        changed = [
+            (field, saved, now)
+            for field, saved, now in self._config_differences(state["config"], self.config.to_dict())
+            if not any(field == f or field.startswith(f + ".") for f in self.resume_may_change)
+        ]
+        if changed:
+            raise ConfigError(
+                f"{', '.join(f for f, _, _ in changed)}: a resume continues the run of checkpoint "
+                f"{str(path)!r} as it was configured, and this config differs: "
+                + "; ".join(f"{f}: {saved!r} in the checkpoint, {now!r} now" for f, saved, now in changed)
+                + ". Set them back, or start a new run (another train.out_dir)."
+            )
+
+    @staticmethod
+    def _config_differences(saved: Any, current: Any, field: str = "") -> list[tuple[str, Any, Any]]:
+        """``(dotted field, saved value, current value)`` wherever two ``Config.to_dict()`` trees differ
+        (a list of another length differs as a whole); a checkpoint's config against the running one."""
+        if isinstance(saved, dict) and isinstance(current, dict):
+            keys = [*saved, *(key for key in current if key not in saved)]
+            return [
+                difference
+                for key in keys
+                for difference in Trainer._config_differences(
+                    saved.get(key, Trainer._ABSENT),
+                    current.get(key, Trainer._ABSENT),
+                    f"{field}.{key}" if field else str(key),
+                )
+            ]
+        if (
+            isinstance(saved, list | tuple)
+            and isinstance(current, list | tuple)
+            and len(saved) == len(current)
+        ):
+            return [
+                d
+                for i, (a, b) in enumerate(zip(saved, current, strict=True))
+                for d in Trainer._config_differences(a, b, f"{field}.{i}")
+            ]
+        return [] if saved == current else [(field, saved, current)]
 
     # ---- the run -------------------------------------------------------------------------------
 

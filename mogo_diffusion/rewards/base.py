@@ -4,7 +4,9 @@ A reward is any callable with a ``name``::
 
     reward(images, prompts, metadata) -> scores
 
-* ``images``: ``[B, 3, H, W]`` floating tensor with values in ``[0, 1]``, on any device;
+* ``images``: ``[B, 3, H, W]`` floating tensor with values in ``[0, 1]``, on any device; B may be
+  0 (every reward then returns an empty ``[0]`` tensor), H and W may not (a zero-size image has
+  nothing to score: :func:`check_batch` refuses it);
 * ``prompts``: B strings; ``metadata``: B dicts (e.g. the OCR target, GenEval's objects);
 * ``scores``: ``[B]`` floating tensor on any device; NaN where the reward does not apply to a
   sample (e.g. OCR on a prompt without quoted text); never infinite.
@@ -41,6 +43,8 @@ def check_batch(images: Tensor, prompts: Sequence[str], metadata: Sequence[Mappi
     if not isinstance(images, Tensor) or images.ndim != 4 or images.shape[1] != 3:
         shape = tuple(images.shape) if isinstance(images, Tensor) else type(images).__name__
         raise ValueError(f"images must be a [B, 3, H, W] tensor, got {shape}")
+    if 0 in images.shape[2:]:
+        raise ValueError(f"images must have at least 1 x 1 pixels, got {tuple(images.shape)}")
     if not images.is_floating_point():
         raise ValueError(f"images must be floating with values in [0, 1], got {images.dtype}")
     if images.numel() and not bool(((images >= 0) & (images <= 1)).all()):

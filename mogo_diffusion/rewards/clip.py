@@ -312,7 +312,7 @@ class ClipEncoder:
     def image_embeds(self, images: Tensor) -> Tensor:
         """``[B, 3, H, W]`` in ``[0, 1]`` to unit image embeddings ``u``, ``[B, D]`` float32."""
         dtype = self.model.logit_scale.dtype
-        out = []
+        out = [torch.empty(0, self.model.config.projection_dim, device=self.device)]  # for B = 0
         for chunk in self._chunks(images.shape[0]):
             pixels = self.transform(images[chunk]).to(device=self.device, dtype=dtype)
             pooled = self.model.vision_model(pixel_values=pixels).pooler_output
@@ -323,7 +323,7 @@ class ClipEncoder:
     @torch.no_grad()
     def text_embeds(self, prompts: Sequence[str]) -> Tensor:
         """B prompts to unit text embeddings ``w``, ``[B, D]`` float32."""
-        out = []
+        out = [torch.empty(0, self.model.config.projection_dim, device=self.device)]  # for B = 0
         for chunk in self._chunks(len(prompts)):
             tokens = self.tokenizer(
                 list(prompts[chunk]),

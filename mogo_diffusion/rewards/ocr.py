@@ -29,9 +29,11 @@ PaddleOCR's PP-OCRv4 models (its recognition model is the Chinese-English one, w
 
 from __future__ import annotations
 
+import difflib
 import math
 import threading
 from collections.abc import Mapping, Sequence
+from pathlib import Path
 from typing import Any
 
 import numpy as np
@@ -85,6 +87,27 @@ def ocr_score(recognized: str, target: str) -> float:
     return 1 - dist / len(t)
 
 
+def _rapidocr_options() -> frozenset[str]:
+    """The keyword arguments ``rapidocr_onnxruntime.RapidOCR`` takes, read from its default config
+    as it maps them: global keys as they are, the detector's with a ``det_`` prefix, the angle
+    classifier's and recogniser's keys that carry their ``cls_`` or ``rec_`` prefix, those it
+    strips of one (``model_path``, ``use_cuda``, ``use_dml``, ``label_list``), and the two it reads
+    outside the config, ``det_donot_use_dilation`` and ``rec_keys_path``.
+
+    RapidOCR passes an unknown keyword on into a config nobody reads; this list is what lets
+    :class:`OcrReward` refuse one. ``ImportError`` without RapidOCR."""
+    import yaml
+    from rapidocr_onnxruntime import main  # the one place that reads RapidOCR's layout
+
+    config = yaml.safe_load(Path(main.DEFAULT_CFG_PATH).read_text())
+    names = {*config["Global"], "det_donot_use_dilation", "rec_keys_path"}
+    names |= {f"det_{key}" for key in config["Det"]}
+    for section, prefix in (("Cls", "cls_"), ("Rec", "rec_")):
+        stripped = {"model_path", "use_cuda", "use_dml", "label_list"} & set(config[section])
+        names |= {key for key in config[section] if key.startswith(prefix)} | {prefix + k for k in stripped}
+    return frozenset(names)
+
+
 @register_reward("ocr")
 class OcrReward:
     """How well each image spells its prompt's quoted text, in ``[0, 1]``; NaN without one.
@@ -102,6 +125,7 @@ class OcrReward:
 
     Raises:
         ImportError: RapidOCR is not installed.
+        ValueError: ``options`` names an option RapidOCR does not have (it would ignore it).
 
     Calls are serialised by a lock, so one instance may be shared by threads; an image takes
     0.1 to 1 s on one CPU core. Prompts without a target are not read at all.
@@ -118,6 +142,14 @@ class OcrReward:
             raise ImportError(f"the 'ocr' reward needs RapidOCR: pip install 'mogo[ocr]' ({err})") from err
         self.min_size = min_size
         self.options = {"use_cls": False, **(options or {})}
+        known = _rapidocr_options()
+        for option in self.options:
+            if option not in known:
+                close = difflib.get_close_matches(str(option), known, n=1)
+                hint = f" (did you mean {close[0]!r}?)" if close else ""
+                raise ValueError(
+                    f"options: RapidOCR has no option {option!r}{hint}; it has {', '.join(sorted(known))}"
+                )
         self.engine = RapidOCR(**self.options)
         self._lock = threading.Lock()
 

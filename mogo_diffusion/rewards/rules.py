@@ -142,8 +142,9 @@ class ColorMatch:
     ) -> Tensor:
         check_batch(images, prompts, metadata)
         targets = [self.target(p, m) for p, m in zip(prompts, metadata, strict=True)]
-        applies = torch.tensor([c is not None for c in targets], device=images.device)
+        applies = torch.tensor([c is not None for c in targets], dtype=torch.bool, device=images.device)
         rgb = torch.tensor([c or (0.0, 0.0, 0.0) for c in targets], dtype=torch.float64, device=images.device)
+        rgb = rgb.reshape(-1, 3)  # [B, 3], also for B = 0
         distance = (images.detach().to(torch.float64) - rgb[:, :, None, None]).norm(dim=1)
         score = 1 - distance.mean(dim=(1, 2)) / math.sqrt(3)
         return torch.where(applies, score, float("nan")).to(torch.float32)

@@ -36,7 +36,14 @@ from mogo_diffusion.rewards.geneval import (
     relative_position,
     select_objects,
 )
-from mogo_diffusion.rewards.ocr import OcrReward, levenshtein, normalize_text, ocr_score, quoted_text
+from mogo_diffusion.rewards.ocr import (
+    OcrReward,
+    _rapidocr_options,
+    levenshtein,
+    normalize_text,
+    ocr_score,
+    quoted_text,
+)
 
 # OCR: the text rules -----------------------------------------------------------------------------
 
@@ -702,3 +709,33 @@ def test_generated_prompts_are_correct_on_perfect_detections(seed):
     for metadata in geneval_prompts(18, seed=seed).metadata:
         result = evaluate(metadata, perfect_detections(metadata))
         assert result == (True, True, 1.0, ""), metadata
+
+
+EMPTY_TESTED = ("ocr", "geneval")  # the rewards of this file tested on an empty batch
+
+
+def test_ocr_and_geneval_on_an_empty_batch_and_on_zero_size_images(ocr):
+    """D18: ocr on a [1, 3, 0, 0] image raised ZeroDivisionError; a zero-size image is refused by
+    name, and an empty batch scores an empty [0]."""
+    for reward in (ocr, GenEvalReward(BoxFinder())):
+        scores = reward(torch.zeros(0, 3, 64, 64), [], [])
+        assert scores.shape == (0,)
+        assert scores.dtype == torch.float32
+        with pytest.raises(ValueError, match=r"images must have at least 1 x 1 pixels, got \(1, 3, 0, 0\)"):
+            reward(torch.zeros(1, 3, 0, 0), ['a sign that says "hi"'], [SINGLE])
+
+
+def test_an_unknown_rapidocr_option_is_named():
+    """D18: RapidOCR silently ignores a keyword it does not know (a typo in a config)."""
+    with pytest.raises(
+        ValueError, match=r"options: RapidOCR has no option 'text_scor' \(did you mean 'text_score'\?\)"
+    ):
+        make_reward("ocr", options={"text_scor": 0.5})
+    documented = {
+        "use_cls",
+        "text_score",
+        "det_limit_side_len",
+        "intra_op_num_threads",
+    }  # OcrReward's docstring
+    assert documented <= _rapidocr_options()  # fails loudly when RapidOCR changes its layout
+    OcrReward(options={"text_score": 0.5, "det_limit_side_len": 320, "det_donot_use_dilation": False})

@@ -470,3 +470,11 @@ def test_the_documented_config_is_valid():
     for block in blocks:
         config = Config.from_dict(yaml.safe_load(block))  # validates names and options
         assert config.rewards
+
+
+@pytest.mark.parametrize("name", CLIP_NAMES)
+def test_an_empty_batch_scores_empty(rewards, name):
+    """D18: clipscore (and every encoder reward) failed on an empty batch in torch.cat()."""
+    scores = rewards[name](rand_images(B=0), [])
+    assert scores.shape == (0,)
+    assert scores.dtype == torch.float32

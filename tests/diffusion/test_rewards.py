@@ -236,3 +236,30 @@ def test_multi_reward_errors_and_to():
     multi = MultiReward([slow, make_reward("sharpness")])
     assert multi.to("cpu") is multi
     assert slow.device == "cpu"
+
+
+EMPTY = torch.zeros(0, 3, 16, 16)
+
+
+@pytest.mark.parametrize("name", RULES)
+def test_an_empty_batch_scores_empty_and_a_zero_size_image_is_refused(name):
+    """D18: color_match raised IndexError on an empty batch, and scored a 0 x 0 image NaN."""
+    scores = make_reward(name)(EMPTY, [], [])
+    assert scores.shape == (0,)
+    assert scores.dtype == torch.float32
+    for shape in ((1, 3, 0, 0), (2, 3, 0, 5), (0, 3, 4, 0)):
+        with pytest.raises(ValueError, match=r"images must have at least 1 x 1 pixels, got \("):
+            make_reward(name)(torch.zeros(shape), [""] * shape[0], [{}] * shape[0])
+    assert MultiReward([make_reward(n) for n in RULES])(EMPTY, []).values.shape == (0, len(RULES))
+
+
+def test_every_registered_reward_is_tested_on_an_empty_batch():
+    from tests.diffusion import test_ocr_geneval, test_reward_models, test_shapes_rewards
+
+    tested = {
+        *RULES,
+        *test_reward_models.CLIP_NAMES,
+        *test_shapes_rewards.NAMES,
+        *test_ocr_geneval.EMPTY_TESTED,
+    }
+    assert tested == set(available_rewards())

@@ -130,3 +130,11 @@ def test_prompt_sources():
 def test_the_worlds_colours_are_the_palettes():
     # scenes.COLORS repeats rules.PALETTE's values (importing it would be circular): they must agree.
     assert {name: PALETTE[name] for name in COLORS} == COLORS
+
+
+def test_an_empty_batch_scores_empty():
+    """D18: every reward returns an empty [0] tensor for an empty batch."""
+    for name in NAMES:
+        scores = make_reward(name)(torch.zeros(0, 3, 32, 32), [], [])
+        assert scores.shape == (0,), name
+        assert scores.dtype == torch.float32, name

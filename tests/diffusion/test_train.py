@@ -2,7 +2,13 @@
 
 from __future__ import annotations
 
+import copy
 import json
+import os
+import shutil
+import signal
+import subprocess
+import sys
 from pathlib import Path
 
 import pytest
@@ -12,10 +18,11 @@ from accelerate.utils import LoggerType
 from diffusers import StableDiffusion3Pipeline
 
 from mogo_diffusion import models
-from mogo_diffusion.checkpoint import CheckpointError, load_checkpoint
+from mogo_diffusion.checkpoint import CheckpointError, load_checkpoint, save_checkpoint
 from mogo_diffusion.config import Config, ConfigError
 from mogo_diffusion.train import Trainer, main
 from tests.diffusion import train_worker
+from tests.diffusion.test_checkpoint import assert_same
 from tests.launch import accelerate_launch, launch
 
 WORKER = Path(train_worker.__file__)
@@ -236,3 +243,171 @@ def test_a_bad_prompt_source_is_named(tiny_dir, tmp_path):
     data["sampling"]["eval_prompts"] = "shapes:validation"
     with pytest.raises(ConfigError, match=r"sampling\.eval_prompts: prompt source 'shapes:validation'"):
         Trainer(Config.from_dict(data))
+
+
+# ---- resuming: what a checkpoint must be, and what a resume may change (issue 21) ----------------
+
+
+@pytest.fixture(scope="module")
+def one_epoch_run(tiny_dir, tmp_path_factory):
+    """A marble run trained for one epoch (``checkpoints/step-000001``); copy it before changing it."""
+    out = tmp_path_factory.mktemp("one-epoch")
+    Trainer(config(tiny_dir, out, "marble", epochs=1)).train()
+    return out
+
+
+def copy_run(source: Path, target: Path) -> Path:
+    shutil.copytree(source, target)
+    return target
+
+
+def test_a_resume_refuses_every_config_change_it_cannot_honour(tiny_dir, one_epoch_run, tmp_path):
+    """D11: --set train.lr / strategy.harmonize_every were ignored (the checkpoint's values won)
+    while config.yaml recorded the new ones. D12: a marble checkpoint into weighted_sum failed with
+    a bare KeyError 'param_groups'. Both are refused naming the fields; nothing is written."""
+    run = copy_run(one_epoch_run, tmp_path / "run")
+    path = tmp_path / "run.yaml"
+    config(tiny_dir, run, "marble", epochs=2).save(path)
+    recorded = (run / "config.yaml").read_text()
+    overrides = ["--set", "train.lr=0.5", "--set", "strategy.harmonize_every=5"]
+    with pytest.raises(
+        ConfigError, match=r"^strategy\.harmonize_every, train\.lr: .*2 in the checkpoint, 5 now"
+    ):
+        main(["--config", str(path), *overrides, "--resume", "latest"])
+    assert (run / "config.yaml").read_text() == recorded
+    assert sorted(p.name for p in (run / "checkpoints").iterdir()) == ["step-000001"]
+    switched = Trainer(config(tiny_dir, run, "weighted_sum", epochs=2))
+    with pytest.raises(
+        ConfigError,
+        match=r"^strategy\.name, .*strategy\.name: 'marble' in the checkpoint, 'weighted_sum' now",
+    ):
+        switched.resume("latest")
+    assert switched.epoch == 0
+    main(["--config", str(path), "--set", "train.eval_every=1", "--resume", "latest"])  # may change
+    assert sorted(p.name for p in (run / "checkpoints").iterdir()) == ["step-000001", "step-000002"]
+
+
+def bad_state(case: str, good: dict) -> tuple[object, str]:
+    """A structurally wrong state (hashed as a good save would be) and what its error must say."""
+    short = {**good, "eval_ema": good["eval_ema"][:-1]}
+    return {
+        "empty": ({}, r"lacks the fields epoch, trained, old, eval_ema, optimizer, config"),
+        "list": ([1, 2], r"must hold an object with the fields epoch, .*, got list"),
+        "epoch text": ({**good, "epoch": "abc"}, r"field 'epoch' must be a non-negative integer, got 'abc'"),
+        "epoch negative": ({**good, "epoch": -5}, r"field 'epoch' must be a non-negative integer, got -5"),
+        "short eval_ema": (short, r"field 'eval_ema' has \d+ tensors where this model's adapter has \d+"),
+        "wrong shapes": (
+            {**good, "old": [t.flatten() for t in good["old"]]},
+            r"field 'old': tensor 0 has shape",
+        ),
+        "not tensors": (
+            {**good, "trained": [1.0] * len(good["trained"])},
+            r"field 'trained' must be a list of",
+        ),
+        "optimizer": ({**good, "optimizer": {"state": {}}}, r"field 'optimizer' does not fit this run"),
+        "config": ({**good, "config": None}, r"field 'config' must be an object"),
+    }[case]
+
+
+BAD_STATES = ["empty", "list", "epoch text", "epoch negative", "short eval_ema", "wrong shapes",
+              "not tensors", "optimizer", "config"]  # fmt: skip
+
+
+@pytest.mark.parametrize("case", BAD_STATES)
+def test_a_malformed_state_json_is_named_and_nothing_is_changed(tiny_dir, one_epoch_run, tmp_path, case):
+    """D13: {} gave KeyError 'trained', [1, 2] a TypeError, a shortened eval_ema a zip() error, and
+    "epoch": -5 started training at epoch -5 after rewriting config.yaml."""
+    run = copy_run(one_epoch_run, tmp_path / "run")
+    good = load_checkpoint(run / "checkpoints" / "step-000001")
+    bad, message = bad_state(case, good)
+    save_checkpoint(run / "checkpoints", 1, bad)
+    fresh = Trainer(config(tiny_dir, run, "marble", epochs=2))
+    before, optimizer = lora_vector(fresh), copy.deepcopy(fresh.optimizer.state_dict())
+    ema = [t.clone() for t in fresh.eval_ema]
+    with pytest.raises(CheckpointError, match=r"step-000001/state\.json'.*" + message):
+        fresh.resume("latest")
+    assert fresh.epoch == 0
+    assert torch.equal(lora_vector(fresh), before)
+    assert all(torch.equal(a, b) for a, b in zip(fresh.eval_ema, ema, strict=True))
+    assert_same(fresh.optimizer.state_dict(), optimizer)
+    if case == "epoch negative":  # the command stops before it writes anything
+        recorded = (run / "config.yaml").read_text()
+        with pytest.raises(CheckpointError, match="-5"):
+            main(["--config", str(save_config(tiny_dir, run, tmp_path)), "--resume", "latest"])
+        assert (run / "config.yaml").read_text() == recorded
+        assert not (run / "checkpoints" / "step-000002").exists()
+
+
+def save_config(tiny_dir, out, where) -> Path:
+    path = where / "resume.yaml"
+    config(tiny_dir, out, "marble", epochs=2).save(path)
+    return path
+
+
+def test_damaged_tensor_bytes_are_refused_before_anything_changes(tiny_dir, one_epoch_run, tmp_path):
+    """D10: 64 bytes overwritten in the middle of tensors.safetensors resumed (rc 0) into NaN."""
+    run = copy_run(one_epoch_run, tmp_path / "run")
+    tensors = run / "checkpoints" / "step-000001" / "tensors.safetensors"
+    data = bytearray(tensors.read_bytes())
+    data[len(data) // 2 - 32 : len(data) // 2 + 32] = b"\xff" * 64
+    tensors.write_bytes(bytes(data))
+    fresh = Trainer(config(tiny_dir, run, "marble", epochs=2))
+    before = lora_vector(fresh)
+    with (
+        pytest.warns(UserWarning, match="skipping a damaged checkpoint"),
+        pytest.raises(CheckpointError, match=r"step-000001/tensors\.safetensors' differs from its hash"),
+    ):
+        fresh.resume("latest")
+    with pytest.raises(CheckpointError, match=r"step-000001/tensors\.safetensors' differs from its hash"):
+        fresh.resume(tensors.parent)
+    assert fresh.epoch == 0
+    assert torch.equal(lora_vector(fresh), before)
+
+
+def test_the_lora_export_is_part_of_the_checkpoint(one_epoch_run, tmp_path):
+    """D14: lora/ was written after the rename, outside any check; now it is hashed with the rest."""
+    run = copy_run(one_epoch_run, tmp_path / "run")
+    step = run / "checkpoints" / "step-000001"
+    listed = json.loads((step / "manifest.json").read_text())["files"]
+    assert "lora/pytorch_lora_weights.safetensors" in listed
+    (step / "lora" / "pytorch_lora_weights.safetensors").unlink()
+    with pytest.raises(CheckpointError, match=r"lora/pytorch_lora_weights\.safetensors' is missing"):
+        load_checkpoint(step)
+
+
+KILL_AT_SECOND_EXPORT = r"""
+import os, signal, sys
+from mogo_diffusion import checkpoint
+from mogo_diffusion.train import main
+
+exports = []
+def boundary(name):
+    exports.extend([name] if name == "extra" else [])
+    if len(exports) == 2:  # step 2's lora/ is written into its staging folder, not yet published
+        os.kill(os.getpid(), signal.SIGKILL)
+checkpoint._boundary = boundary
+main(["--config", sys.argv[1]])
+"""
+
+
+def test_a_run_killed_while_saving_resumes_from_its_last_complete_checkpoint(tiny_dir, tmp_path):
+    """kill -9 in the middle of a real save (step 2, after its LoRA export): step 1 is chosen, and
+    the resumed run ends bit-identical to an uninterrupted one."""
+    path = tmp_path / "run.yaml"
+    config(tiny_dir, tmp_path / "killed", epochs=2).save(path)
+    env = {**os.environ, "PYTHONPATH": str(Path(__file__).resolve().parents[2]), "OMP_NUM_THREADS": "1"}
+    child = subprocess.run(
+        [sys.executable, "-c", KILL_AT_SECOND_EXPORT, str(path)], env=env, capture_output=True
+    )
+    assert child.returncode == -signal.SIGKILL, child.stderr.decode()[-2000:]
+    checkpoints = tmp_path / "killed" / "checkpoints"
+    assert sorted(p.name for p in checkpoints.iterdir()) == ["step-000001", "step-000002.tmp"]
+    resumed = Trainer(config(tiny_dir, tmp_path / "killed", epochs=2))
+    resumed.resume("latest")
+    assert resumed.epoch == 1
+    resumed.train()
+    whole = Trainer(config(tiny_dir, tmp_path / "whole", epochs=2))
+    whole.train()
+    assert torch.equal(lora_vector(resumed), lora_vector(whole))
+    assert all(torch.equal(a, b) for a, b in zip(whole.eval_ema, resumed.eval_ema, strict=True))
+    assert sorted(p.name for p in checkpoints.iterdir()) == ["step-000001", "step-000002"]
