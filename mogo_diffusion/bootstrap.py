@@ -83,9 +83,7 @@ def bootstrap_interval(
     return Interval(float(values.mean()), float(low), float(high), int(values.size))
 
 
-def paired_interval(
-    arm: Sequence[float], reference: Sequence[float] | float, **options: float
-) -> Interval:
+def paired_interval(arm: Sequence[float], reference: Sequence[float] | float, **options: float) -> Interval:
     """:func:`bootstrap_interval` of ``arm[s] - reference[s]`` over the seeds ``s``.
 
     ``reference`` may be one number (the pretrained model, which has no seeds). Options go to
