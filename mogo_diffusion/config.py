@@ -255,8 +255,8 @@ class SingleConfig:
     reward: str = ""
 
 
+# How the K reward losses become one update: one record per strategy, tagged by ``name``.
 StrategyConfig = MarbleConfig | WeightedSumConfig | SequentialConfig | SingleConfig | HarmonizedConfig
-"""How the K reward losses become one update: one record per strategy, tagged by ``name``."""
 
 _STRATEGIES: dict[str, type] = {
     "marble": MarbleConfig,
