@@ -9,6 +9,7 @@ import sys
 from pathlib import Path
 
 import pytest
+import yaml
 
 from mogo_diffusion.config import (
     Config,
@@ -313,3 +314,13 @@ def test_parsing_a_config_imports_neither_torch_nor_the_rewards():
     )
     done = subprocess.run([sys.executable, "-c", code], capture_output=True, text=True, check=True)
     assert done.stdout.strip() == "[]"
+
+
+def test_the_documented_strategies_are_valid():
+    text = (Path(__file__).resolve().parents[2] / "docs" / "diffusion.rst").read_text()
+    lines = re.findall(r"^    (strategy: .*?)(?:\s+#.*)?$", text, flags=re.M)
+    assert len(lines) == 5
+    rewards = [{"name": "ocr", "weight": 1.0}, {"name": "pickscore", "weight": 1.0}]
+    for line in lines:
+        config = Config.from_dict({"rewards": rewards, **yaml.safe_load(line)})
+        assert config.strategy.name == yaml.safe_load(line)["strategy"]["name"]
