@@ -30,9 +30,21 @@ from typing import Literal
 import torch
 from torch import Tensor
 
-__all__ = ["StdScope", "per_reward_advantages", "weighted_sum_advantages", "zscore_rewards"]
+__all__ = ["StdScope", "nan_mean", "per_reward_advantages", "weighted_sum_advantages", "zscore_rewards"]
 
 StdScope = Literal["batch", "group"]
+
+
+def nan_mean(values: Tensor) -> Tensor:
+    """Column means of ``[N, K]`` scores over the applicable (non-NaN) rows; NaN for an empty column.
+
+    >>> nan_mean(torch.tensor([[1.0, float("nan")], [3.0, float("nan")]]))
+    tensor([2., nan])
+    """
+    applicable = ~torch.isnan(values)
+    total = torch.where(applicable, values, 0.0).sum(0)
+    count = applicable.sum(0)
+    return torch.where(count > 0, total / count.clamp(min=1), float("nan"))
 
 
 def _reward_name(names: Sequence[str] | None, k: int) -> str:
@@ -114,9 +126,8 @@ def per_reward_advantages(
     count = R.new_zeros(G, K).index_add_(0, group, valid.to(R.dtype))
     centred = torch.where(valid, R - group_mean(x, count)[group], 0.0)
     if std_scope == "batch":
-        n = valid.sum(dim=0).clamp_min(1)
-        deviation = torch.where(valid, R - x.sum(dim=0) / n, 0.0)
-        std = (deviation.square().sum(dim=0) / n).sqrt()
+        deviation = torch.where(valid, R - nan_mean(R), 0.0)
+        std = nan_mean(torch.where(valid, deviation.square(), float("nan"))).nan_to_num(0.0).sqrt()
     else:
         std = group_mean(centred.square(), count).sqrt()[group]
     advantages = (centred / (std + eps)).clamp(-adv_clip, adv_clip)
@@ -183,8 +194,6 @@ def zscore_rewards(rewards: Tensor, *, eps: float = 1e-4, names: Sequence[str] |
     _check_rewards(rewards, names)
     R = rewards.detach().to(torch.float64)
     valid = ~torch.isnan(R)
-    n = valid.sum(dim=0).clamp_min(1)
-    mean = torch.where(valid, R, 0.0).sum(dim=0) / n
-    deviation = torch.where(valid, R - mean, 0.0)
-    std = (deviation.square().sum(dim=0) / n).sqrt()
+    deviation = torch.where(valid, R - nan_mean(R), 0.0)
+    std = nan_mean(torch.where(valid, deviation.square(), float("nan"))).nan_to_num(0.0).sqrt()
     return torch.where(valid, deviation / (std + eps), float("nan")).to(rewards.dtype)

@@ -97,9 +97,7 @@ def arm_config(arm: str, seed: int, out: Path, *, epochs: int = EPOCHS, quick: b
         strategy = {"name": "marble", "harmonize_every": 10, "alpha_ema": 0.9, "estimate": estimate}
     else:
         raise ValueError(f"unknown arm {arm!r}; arms: base, {', '.join(arms())}")
-    data["strategy"] = {**data["strategy"], **strategy}
-    if strategy["name"] != "marble":
-        data["strategy"].update(harmonize_every=10, alpha_ema=0.9)
+    data["strategy"] = strategy  # each strategy's own record, its other fields at their defaults
     return Config.from_dict(data)
 
 

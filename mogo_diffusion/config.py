@@ -7,15 +7,24 @@
 
 A file sets any subset of the fields below; the rest keep their defaults, which follow the
 published SD3.5-Medium multi-reward DiffusionNFT recipe. Values are parsed by ``yaml.safe_load``
-rules, except that ``1e-4`` is a float (YAML 1.2), not the string PyYAML makes of it. Overrides
-``KEY=VALUE`` take a dotted key (list entries by index: ``rewards.0.weight``; the index one past
-the end appends) and a YAML value (``train.lr=1e-4``, ``model.lora_targets=[to_q, to_k]``).
+rules, except that ``1e-4`` is a float (YAML 1.2), not the string PyYAML makes of it, and that
+aliases (``*name``) are refused: they would let a few hundred bytes expand to gigabytes when the
+config is saved. Overrides ``KEY=VALUE`` take a dotted key (list entries by index:
+``rewards.0.weight``; the index one past the end appends) and a YAML value (``train.lr=1e-4``,
+``model.lora_targets=[to_q, to_k]``).
 
-Everything is validated, and every error is a :class:`ConfigError` naming the dotted field:
-unknown keys (with the closest known key), types, ranges, reward names (against the registry) and
-options (against the reward's signature), reward weights against the strategy, sequential stages
-and the single strategy's reward against the configured rewards, and a local model directory
-that does not exist.
+``strategy`` is a tagged union keyed by ``strategy.name``: each strategy has its own fields
+(:class:`MarbleConfig`, :class:`WeightedSumConfig`, :class:`SequentialConfig`,
+:class:`SingleConfig`, and :class:`HarmonizedConfig` for any other name, a weighting registered
+in :data:`mogo.WEIGHTINGS`). Setting ``strategy.name`` to another strategy (in a file or an
+override) starts that strategy's fields from their defaults.
+
+Everything is validated here, and every error is a :class:`ConfigError` naming the dotted field:
+unknown keys (with the closest known key), types, ranges, reward weights against the strategy,
+sequential stages and the single strategy's reward against the configured rewards, and a local
+model directory that does not exist. This module imports neither torch nor the rewards: reward
+names and options, and weighting names, are checked when the trainer is built
+(:func:`mogo_diffusion.train.check_config`).
 """
 
 from __future__ import annotations
@@ -23,7 +32,6 @@ from __future__ import annotations
 import argparse
 import dataclasses
 import difflib
-import inspect
 import math
 import os
 import re
@@ -35,18 +43,23 @@ from typing import Any, Literal, Union, get_args, get_origin, get_type_hints
 
 import yaml
 
-from mogo_diffusion.rewards import available_rewards, reward_factory
-
 __all__ = [
+    "HUB_ID",
+    "LORA_TARGETS",
     "Config",
     "ConfigError",
+    "HarmonizedConfig",
+    "MarbleConfig",
     "ModelConfig",
     "NFTConfig",
     "RewardSpec",
     "SamplingConfig",
+    "SequentialConfig",
+    "SingleConfig",
     "StageConfig",
     "StrategyConfig",
     "TrainConfig",
+    "WeightedSumConfig",
     "add_config_arguments",
     "config_from_args",
     "load_config",
@@ -63,6 +76,7 @@ NON_NEGATIVE: Check = (">= 0", lambda x: x >= 0)
 FRACTION: Check = ("in (0, 1]", lambda x: 0 < x <= 1)
 DECAY: Check = ("in [0, 1)", lambda x: 0 <= x < 1)
 NON_EMPTY: Check = ("non-empty", bool)
+_INT64 = 2**63  # every int field must fit a signed 64-bit integer (torch's and numpy's)
 
 
 def _field(default: Any = dataclasses.MISSING, *, check: Check) -> Any:
@@ -70,7 +84,20 @@ def _field(default: Any = dataclasses.MISSING, *, check: Check) -> Any:
     return field(default=default, metadata={"check": check})
 
 
-LORA_TARGETS = ("to_q", "to_k", "to_v", "to_out.0", "add_q_proj", "add_k_proj", "add_v_proj", "to_add_out")
+LORA_TARGETS: tuple[str, ...] = (
+    "to_q",
+    "to_k",
+    "to_v",
+    "to_out.0",
+    "add_q_proj",
+    "add_k_proj",
+    "add_v_proj",
+    "to_add_out",
+)
+"""The attention projections that carry LoRA (image and text streams of every joint block)."""
+
+HUB_ID = re.compile(r"[A-Za-z0-9][\w.-]*/[\w.-]+")
+"""A model hub id, ``org/name`` (matched in full); the config and the loaders accept the same."""
 
 
 @dataclass
@@ -134,15 +161,12 @@ class NFTConfig:
         adv_clip: C, the advantage clip and the loss scale ``C / beta``.
         kl_coef: the weight of ``mean (v - v_ref)^2`` (0 skips the reference forward).
         std_scope: the advantages' std over the whole ``"batch"`` or each prompt ``"group"``.
-        weighted_sum_nan: a NaN reward in the weighted-sum baseline counts as ``"zero"`` or
-            ``"raise"``-s (see :func:`mogo_diffusion.advantages.weighted_sum_advantages`).
     """
 
     beta: float = _field(0.1, check=FRACTION)
     adv_clip: float = _field(5.0, check=POSITIVE)
     kl_coef: float = _field(1e-4, check=NON_NEGATIVE)
     std_scope: Literal["batch", "group"] = "batch"
-    weighted_sum_nan: Literal["zero", "raise"] = "zero"
 
 
 @dataclass
@@ -163,32 +187,83 @@ class StageConfig:
 
 
 @dataclass
-class StrategyConfig:
-    """How the K reward losses become one update.
+class MarbleConfig:
+    """``marble``: the K per-reward NFT losses into :class:`mogo.HarmonizedOptimizer` with
+    :class:`mogo.MinNorm` (unit-norm gradients, min-norm point, mean-norm scale).
 
     Attributes:
-        name: ``"marble"`` (harmonized), ``"weighted_sum"`` (one advantage of ``sum_k w_k R_k``),
-            ``"sequential"`` (one reward per stage) or ``"single"`` (one reward: the specialist).
-        harmonize_every: N, optimizer steps between harmonizations (marble).
-        alpha_ema: rho, the EMA decay of the reused alpha, in [0, 1) (marble).
-        stages: the sequential strategy's stages, in order.
-        reward: the single strategy's reward.
+        harmonize_every: N, optimizer steps between harmonizations.
+        alpha_ema: rho, the EMA decay of the reused alpha, in [0, 1).
         estimate: an optimizer step accumulates one ``backward`` per trained timestep; alpha is
             estimated on the ``"first"`` of them or on the whole ``"window"``.
-        reward_scale: the weighted sum adds the ``"raw"`` rewards or their batch ``"zscore"``-s
-            (:func:`mogo_diffusion.advantages.zscore_rewards`).
-        grad_mode, nonfinite: passed to :class:`mogo.HarmonizedOptimizer`.
+        grad_mode, nonfinite: passed to :class:`mogo.HarmonizedOptimizer` (``train.mixed_precision:
+            fp16`` needs ``nonfinite: skip``, so that an overflowing step is skipped).
     """
 
-    name: Literal["marble", "weighted_sum", "sequential", "single"] = "marble"
+    name: Literal["marble"] = "marble"
     harmonize_every: int = _field(10, check=POSITIVE)
     alpha_ema: float = _field(0.9, check=DECAY)
-    stages: list[StageConfig] = field(default_factory=list)
-    reward: str | None = None
     estimate: Literal["first", "window"] = "first"
-    reward_scale: Literal["raw", "zscore"] = "raw"
     grad_mode: Literal["auto", "batched", "sequential"] = "auto"
     nonfinite: Literal["raise", "skip", "drop"] = "raise"
+
+
+@dataclass
+class HarmonizedConfig(MarbleConfig):
+    """Any other ``name``: the weighting registered under it in :data:`mogo.WEIGHTINGS`
+    (``min_norm``, or one you register with :func:`mogo.register_weighting`), built with
+    ``options``, in place of MARBLE's; the other fields are MARBLE's.
+
+    The name is checked against the registry when the trainer is built. ``weighted_sum`` names
+    the trainer's own baseline (:class:`WeightedSumConfig`), not mogo's ``weighted_sum`` weighting.
+    """
+
+    name: str = "min_norm"  # type: ignore[assignment]
+    options: dict[str, Any] = field(default_factory=dict)
+
+
+@dataclass
+class WeightedSumConfig:
+    """``weighted_sum``: DiffusionNFT's baseline, one NFT loss from the advantage of
+    ``sum_k w_k R_k`` (every reward needs a weight).
+
+    Attributes:
+        reward_scale: add the ``"raw"`` rewards or their batch ``"zscore"``-s
+            (:func:`mogo_diffusion.advantages.zscore_rewards`).
+        nan: a NaN reward counts as ``"zero"`` or ``"raise"``-s (see
+            :func:`mogo_diffusion.advantages.weighted_sum_advantages`).
+    """
+
+    name: Literal["weighted_sum"] = "weighted_sum"
+    reward_scale: Literal["raw", "zscore"] = "raw"
+    nan: Literal["zero", "raise"] = "zero"
+
+
+@dataclass
+class SequentialConfig:
+    """``sequential``: one reward at a time, by ``stages`` in order, cycling."""
+
+    name: Literal["sequential"] = "sequential"
+    stages: list[StageConfig] = field(default_factory=list, metadata={"check": NON_EMPTY})
+
+
+@dataclass
+class SingleConfig:
+    """``single``: one ``reward`` throughout (the specialist)."""
+
+    name: Literal["single"] = "single"
+    reward: str = ""
+
+
+# How the K reward losses become one update: one record per strategy, tagged by ``name``.
+StrategyConfig = MarbleConfig | WeightedSumConfig | SequentialConfig | SingleConfig | HarmonizedConfig
+
+_STRATEGIES: dict[str, type] = {
+    "marble": MarbleConfig,
+    "weighted_sum": WeightedSumConfig,
+    "sequential": SequentialConfig,
+    "single": SingleConfig,
+}
 
 
 @dataclass
@@ -197,7 +272,7 @@ class TrainConfig:
 
     Attributes:
         lr, weight_decay: AdamW's learning rate and weight decay.
-        grad_clip: the gradient-norm clip, or None.
+        grad_clip: the gradient-norm clip (of the unscaled gradient), or None.
         epochs: sampling-and-training rounds.
         batch_size: samples per training forward.
         timestep_fraction: the fraction of the sampler's timesteps trained per sample
@@ -205,9 +280,11 @@ class TrainConfig:
         old_decay_rate, old_decay_max: the old policy follows the trained one by EMA with decay
             ``min(old_decay_rate * step, old_decay_max)``.
         eval_ema_decay: the decay of the separate evaluation EMA, in [0, 1).
-        mixed_precision: accelerate's mixed precision.
+        mixed_precision: the trained forward's autocast: ``"bf16"``, ``"fp16"`` (with a
+            ``GradScaler``: gradients unscaled before clipping, overflowing steps skipped), ``"no"``,
+            or ``"auto"``: bf16 on a CUDA device that supports it, else no.
         reward_threads: rewards scored at once (see :class:`mogo_diffusion.rewards.MultiReward`).
-        seed, out_dir: the random seed and the run directory.
+        seed, out_dir: the random seed (in [0, 2**63)) and the run directory.
         log_every, eval_every, checkpoint_every: periods in epochs.
         log_with: accelerate trackers that also receive the metrics (e.g. ``["tensorboard"]``,
             written under ``out_dir/trackers``); the JSONL file is always written.
@@ -222,9 +299,9 @@ class TrainConfig:
     old_decay_rate: float = _field(0.001, check=NON_NEGATIVE)
     old_decay_max: float = _field(0.5, check=DECAY)
     eval_ema_decay: float = _field(0.9, check=DECAY)
-    mixed_precision: Literal["no", "fp16", "bf16"] = "fp16"
+    mixed_precision: Literal["auto", "no", "fp16", "bf16"] = "auto"
     reward_threads: int = _field(1, check=POSITIVE)
-    seed: int = 42
+    seed: int = _field(42, check=NON_NEGATIVE)
     out_dir: str = _field("runs/marble", check=NON_EMPTY)
     log_every: int = _field(1, check=POSITIVE)
     eval_every: int = _field(10, check=POSITIVE)
@@ -240,7 +317,7 @@ class Config:
     sampling: SamplingConfig = field(default_factory=SamplingConfig)
     nft: NFTConfig = field(default_factory=NFTConfig)
     rewards: list[RewardSpec] = field(default_factory=list)
-    strategy: StrategyConfig = field(default_factory=StrategyConfig)
+    strategy: StrategyConfig = field(default_factory=MarbleConfig)
     train: TrainConfig = field(default_factory=TrainConfig)
 
     @classmethod
@@ -265,8 +342,9 @@ class Config:
         """Raise :class:`ConfigError` naming the first invalid field."""
         _check_ranges(self, "")
         _check_model_path(self.model.pretrained)
-        _check_rewards(self.rewards)
-        _check_strategy(self.strategy, self.rewards)
+        if not self.rewards:
+            raise ConfigError("rewards: at least one reward is needed")
+        _check_strategy(self)
 
 
 def _join(path: str, key: Any) -> str:
@@ -281,21 +359,18 @@ def _closest(word: Any, choices: Sequence[str]) -> str:
 def _build(cls: type, data: Any, path: str) -> Any:
     if not isinstance(data, dict):
         raise ConfigError(f"{path or 'config'}: expected a mapping, got {type(data).__name__} {data!r}")
-    names = [f.name for f in dataclasses.fields(cls)]
+    fields = dataclasses.fields(cls)
+    names = [f.name for f in fields]
     for key in data:
         if key not in names:
-            where = _join(path, key)
-            hint = _closest(key, names)
-            raise ConfigError(f"{where}: unknown key{hint}; {path or 'config'} has {', '.join(names)}")
-    missing = [
-        f.name
-        for f in dataclasses.fields(cls)
-        if f.default is dataclasses.MISSING
-        and f.default_factory is dataclasses.MISSING
-        and f.name not in data
-    ]
-    if missing:
-        raise ConfigError(f"{_join(path, missing[0])}: required")
+            owner = f"strategy {data.get('name', 'marble')!r}" if path == "strategy" else path or "config"
+            raise ConfigError(
+                f"{_join(path, key)}: unknown key{_closest(key, names)}; {owner} has {', '.join(names)}"
+            )
+    for f in fields:
+        required = f.default is dataclasses.MISSING and f.default_factory is dataclasses.MISSING
+        if required and f.name not in data:
+            raise ConfigError(f"{_join(path, f.name)}: required")
     hints = get_type_hints(cls)
     return cls(**{key: _convert(value, hints[key], _join(path, key)) for key, value in data.items()})
 
@@ -308,6 +383,11 @@ def _convert(value: Any, tp: Any, path: str) -> Any:
     if origin in (Union, types.UnionType):
         if value is None and type(None) in args:
             return None
+        if all(dataclasses.is_dataclass(a) for a in args):  # the tagged union: by ``name``
+            name = value.get("name", "marble") if isinstance(value, dict) else None
+            if not isinstance(name, str) or not name:
+                raise ConfigError(f"{path}.name: expected a strategy name, got {name!r}")
+            return _build(_STRATEGIES.get(name, HarmonizedConfig), value, path)
         (inner,) = [a for a in args if a is not type(None)]
         return _convert(value, inner, path)
     if origin is Literal:
@@ -330,6 +410,8 @@ def _convert(value: Any, tp: Any, path: str) -> Any:
             raise ConfigError(f"{path}: must be finite, got {value!r}")
         return float(value)
     if isinstance(value, tp) and not (tp is int and isinstance(value, bool)):
+        if tp is int and not -_INT64 <= value < _INT64:
+            raise ConfigError(f"{path}: must fit a 64-bit integer (|value| < 2**63), got {value}")
         return value
     raise ConfigError(f"{path}: expected {tp.__name__}, got {type(value).__name__} {value!r}")
 
@@ -350,9 +432,6 @@ def _check_ranges(node: Any, path: str) -> None:
         _check_ranges(value, where)
 
 
-_HUB_ID = re.compile(r"^[A-Za-z0-9][\w.-]*(/[\w.-]+)?$")
-
-
 def _check_model_path(pretrained: str) -> None:
     """A hub id passes; a path (absolute, ``./``, ``~``, several ``/``) must be a directory."""
     path = os.path.expanduser(pretrained)
@@ -366,61 +445,30 @@ def _check_model_path(pretrained: str) -> None:
     )
     if looks_local:
         raise ConfigError(f"model.pretrained: local directory {pretrained!r} does not exist")
-    if not _HUB_ID.match(pretrained):
+    if not HUB_ID.fullmatch(pretrained):
         raise ConfigError(
             f"model.pretrained: {pretrained!r} is neither an existing directory nor a hub id like 'org/name'"
         )
 
 
-def _check_rewards(rewards: list[RewardSpec]) -> None:
-    if not rewards:
-        raise ConfigError(
-            f"rewards: at least one reward is needed; known rewards: {', '.join(available_rewards())}"
-        )
-    seen: dict[str, int] = {}
-    for i, spec in enumerate(rewards):
-        where = f"rewards.{i}"
-        if spec.name in seen:
-            raise ConfigError(f"{where}.name: {spec.name!r} is already rewards.{seen[spec.name]}")
-        seen[spec.name] = i
-        try:
-            factory = reward_factory(spec.name)
-        except ValueError as error:
-            raise ConfigError(f"{where}.name: {error}") from None
-        signature = inspect.signature(factory)
-        parameters = signature.parameters
-        if not any(p.kind is inspect.Parameter.VAR_KEYWORD for p in parameters.values()):
-            for option in spec.options:
-                if option not in parameters:
-                    hint = _closest(option, list(parameters))
-                    accepted = ", ".join(parameters) or "none"
-                    raise ConfigError(
-                        f"{where}.options.{option}: {spec.name!r} has no such option{hint}; "
-                        f"it accepts {accepted}"
-                    )
-        try:
-            signature.bind(**spec.options)
-        except TypeError as error:
-            raise ConfigError(f"{where}.options: {spec.name!r}: {error}") from None
-        if spec.weight is not None and not math.isfinite(spec.weight):
-            raise ConfigError(f"{where}.weight: must be finite, got {spec.weight!r}")
-
-
-def _check_strategy(strategy: StrategyConfig, rewards: list[RewardSpec]) -> None:
+def _check_strategy(config: Config) -> None:
+    strategy, rewards = config.strategy, config.rewards
     names = [spec.name for spec in rewards]
+    for i, name in enumerate(names):
+        if name in names[:i]:
+            raise ConfigError(f"rewards.{i}.name: {name!r} is already rewards.{names.index(name)}")
     weighted = [spec.weight is not None for spec in rewards]
-    if strategy.name == "weighted_sum":
+    if isinstance(strategy, WeightedSumConfig):
         if not all(weighted):
-            i = weighted.index(False)
             raise ConfigError(
-                f"rewards.{i}.weight: the weighted_sum strategy needs a weight for every reward"
+                f"rewards.{weighted.index(False)}.weight: the weighted_sum strategy needs a weight for "
+                "every reward"
             )
         if not any(spec.weight for spec in rewards):
             raise ConfigError("rewards: the weighted_sum strategy needs a positive weight")
     elif any(weighted) and not all(weighted):
-        i = weighted.index(False)
         raise ConfigError(
-            f"rewards.{i}.weight: give a weight for every reward or for none "
+            f"rewards.{weighted.index(False)}.weight: give a weight for every reward or for none "
             f"(rewards.{weighted.index(True)} has one)"
         )
 
@@ -430,23 +478,33 @@ def _check_strategy(strategy: StrategyConfig, rewards: list[RewardSpec]) -> None
                 f"{where}: {name!r} is not a configured reward{_closest(name, names)}; rewards: {names}"
             )
 
-    if strategy.name == "sequential":
-        if not strategy.stages:
-            raise ConfigError("strategy.stages: the sequential strategy needs at least one stage")
+    if isinstance(strategy, SequentialConfig):
         for i, stage in enumerate(strategy.stages):
             check_reward(stage.reward, f"strategy.stages.{i}.reward")
-    elif strategy.stages:
-        raise ConfigError(f"strategy.stages: only the sequential strategy has stages, not {strategy.name!r}")
-    if strategy.name == "single":
-        if strategy.reward is None:
+    if isinstance(strategy, SingleConfig):
+        if not strategy.reward:
             raise ConfigError("strategy.reward: the single strategy needs the name of its reward")
         check_reward(strategy.reward, "strategy.reward")
-    elif strategy.reward is not None:
-        raise ConfigError(f"strategy.reward: only the single strategy has one reward, not {strategy.name!r}")
+    fp16 = config.train.mixed_precision == "fp16"
+    if isinstance(strategy, MarbleConfig) and fp16 and strategy.nonfinite != "skip":
+        raise ConfigError(
+            f"strategy.nonfinite: train.mixed_precision 'fp16' needs 'skip' (an overflowing step is "
+            f"skipped and the GradScaler lowers its scale), got {strategy.nonfinite!r}"
+        )
 
 
 class _Loader(yaml.SafeLoader):
-    """``yaml.SafeLoader`` that also reads YAML 1.2 floats such as ``1e-4``."""
+    """``yaml.SafeLoader`` that reads YAML 1.2 floats such as ``1e-4`` and refuses aliases."""
+
+    def compose_node(self, parent: Any, index: Any) -> Any:
+        if self.check_event(yaml.AliasEvent):
+            event = self.peek_event()
+            mark = event.start_mark
+            raise ConfigError(
+                f"{mark.name}: line {mark.line + 1}: YAML aliases (*{event.anchor}) are not allowed in a "
+                "config; write the value out"
+            )
+        return super().compose_node(parent, index)
 
 
 _Loader.add_implicit_resolver(
@@ -457,16 +515,23 @@ _Loader.add_implicit_resolver(
 
 
 def _parse_yaml(text: str, source: str) -> Any:
+    loader = _Loader(text)  # a SafeLoader: no arbitrary objects
+    loader.name = source
     try:
-        return yaml.load(text, Loader=_Loader)  # a SafeLoader: no arbitrary objects
+        return loader.get_single_data()
     except yaml.YAMLError as error:
         raise ConfigError(f"{source}: not valid YAML: {error}") from None
+    finally:
+        loader.dispose()
 
 
-def _merge(base: Any, update: Any) -> Any:
-    """``update`` over ``base``: mappings merge key by key, anything else is replaced."""
+def _merge(base: Any, update: Any, path: str = "") -> Any:
+    """``update`` over ``base``: mappings merge key by key, anything else is replaced; a tagged
+    section (``strategy``) whose ``name`` changes is replaced whole."""
     if isinstance(base, dict) and isinstance(update, dict):
-        return {**base, **{k: _merge(base.get(k), v) for k, v in update.items()}}
+        if path == "strategy" and update.get("name", base.get("name")) != base.get("name"):
+            return update
+        return {**base, **{k: _merge(base.get(k), v, _join(path, k)) for k, v in update.items()}}
     return update
 
 
@@ -477,6 +542,9 @@ def _set(data: dict[str, Any], override: str) -> None:
         raise ConfigError(f"override {override!r}: expected KEY=VALUE with a dotted KEY, e.g. train.lr=1e-4")
     value = _parse_yaml(text, f"override {override!r}")
     parts = key.split(".")
+    if parts == ["strategy", "name"] and isinstance(value, str) and value != data["strategy"].get("name"):
+        data["strategy"] = {**dataclasses.asdict(_STRATEGIES.get(value, HarmonizedConfig)()), "name": value}
+        return  # another strategy, its fields at their defaults
     node: Any = data
     for depth, part in enumerate(parts):
         last, where = depth == len(parts) - 1, ".".join(parts[: depth + 1])
@@ -501,6 +569,24 @@ def _set(data: dict[str, Any], override: str) -> None:
             raise ConfigError(f"{where}: cannot set a key inside {type(node).__name__} {node!r}")
 
 
+def _read_file(path: Path) -> Any:
+    """The mapping in the YAML file at ``path``, or a ConfigError saying what is wrong with it."""
+    if path.is_dir():
+        raise ConfigError(f"config file {str(path)!r} is a directory, not a YAML file")
+    if not path.is_file():
+        raise ConfigError(f"config file {str(path)!r} does not exist")
+    try:
+        text = path.read_bytes().decode("utf-8")
+    except UnicodeDecodeError as error:
+        raise ConfigError(
+            f"config file {str(path)!r} is not UTF-8 text (byte {error.start}: {error.reason})"
+        ) from None
+    loaded = _parse_yaml(text, str(path))
+    if loaded is not None and not isinstance(loaded, dict):
+        raise ConfigError(f"{path}: expected a mapping at the top level, got {type(loaded).__name__}")
+    return loaded or {}
+
+
 def load_config(
     path: str | os.PathLike | None = None, overrides: Sequence[str] = (), defaults: Config | None = None
 ) -> Config:
@@ -508,13 +594,7 @@ def load_config(
     given), then by ``overrides``."""
     data = (defaults or Config()).to_dict()
     if path is not None:
-        path = Path(path)
-        if not path.is_file():
-            raise ConfigError(f"config file {str(path)!r} does not exist")
-        loaded = _parse_yaml(path.read_text(), str(path))
-        if loaded is not None and not isinstance(loaded, dict):
-            raise ConfigError(f"{path}: expected a mapping at the top level, got {type(loaded).__name__}")
-        data = _merge(data, loaded or {})
+        data = _merge(data, _read_file(Path(path)))
     for override in overrides:
         _set(data, override)
     return Config.from_dict(data)

@@ -17,21 +17,12 @@ from collections.abc import Mapping, Sequence
 from pathlib import Path
 
 import numpy as np
-import torch
 from PIL import Image
 from torch import Tensor
 
 from mogo_diffusion.rewards import to_uint8
 
-__all__ = ["composite_zscores", "nan_mean", "plot_run", "read_metrics", "reward_zscores", "save_grid"]
-
-
-def nan_mean(values: Tensor) -> Tensor:
-    """Column means of ``[N, K]`` scores over the applicable (non-NaN) rows; NaN for an empty column."""
-    applicable = ~torch.isnan(values)
-    total = torch.where(applicable, values, 0.0).sum(0)
-    count = applicable.sum(0)
-    return torch.where(count > 0, total / count.clamp(min=1), math.nan)
+__all__ = ["composite_zscores", "plot_run", "read_metrics", "reward_zscores", "save_grid"]
 
 
 def _standardized(

@@ -10,8 +10,9 @@ no file is read. It saves with ``save_pretrained`` and loads back through :func:
 
 LoRA. DiffusionNFT evaluates one transformer three ways: the trained adapter (``"default"``), the
 old sampling adapter (``"old"``, an EMA of the trained one) and the base model (adapters disabled,
-the KL reference). :func:`add_lora` adds both adapters on :data:`LORA_TARGETS`; :func:`adapter` and
-:func:`reference` select what a forward uses; :func:`ema_update` moves the old adapter,
+the KL reference). :func:`add_lora` adds both adapters on
+:data:`~mogo_diffusion.config.LORA_TARGETS`; :func:`adapter` and :func:`reference` select what a
+forward uses; :func:`ema_update` moves the old adapter,
 
 .. code-block:: text
 
@@ -24,7 +25,6 @@ and :func:`save_lora` writes an adapter in the diffusers format, which
 from __future__ import annotations
 
 import os
-import re
 import warnings
 import weakref
 from collections.abc import Iterator, Sequence
@@ -56,6 +56,7 @@ from transformers import (
     T5Tokenizer,
 )
 
+from mogo_diffusion.config import HUB_ID, LORA_TARGETS
 from mogo_diffusion.tokenizers import clip_tokenizer, t5_tokenizer
 
 __all__ = [
@@ -79,18 +80,6 @@ TRAINED = "default"
 """Name of the trained LoRA adapter."""
 OLD = "old"
 """Name of the old (sampling) LoRA adapter."""
-LORA_TARGETS: tuple[str, ...] = (
-    "to_q",
-    "to_k",
-    "to_v",
-    "to_out.0",
-    "add_q_proj",
-    "add_k_proj",
-    "add_v_proj",
-    "to_add_out",
-)
-"""The attention projections that carry LoRA (image and text streams of every joint block)."""
-
 TINY_PRESETS: dict[str, dict[str, int]] = {
     "smoke": {"num_layers": 2, "num_attention_heads": 2, "attention_head_dim": 32},
     "small": {"num_layers": 4, "num_attention_heads": 4, "attention_head_dim": 32},
@@ -108,7 +97,6 @@ _COMPONENTS: dict[str, Any] = {
     "tokenizer_3": T5Tokenizer,
     "scheduler": FlowMatchEulerDiscreteScheduler,
 }
-_HUB_ID = re.compile(r"[A-Za-z0-9][\w.-]*/[\w.-]+")
 # from_pretrained's dtype argument: "torch_dtype" was renamed "dtype" (deprecated in diffusers 0.42.1
 # and transformers 5, the versions checked here; older ones know only "torch_dtype").
 _DTYPE_KEYWORD = {
@@ -133,7 +121,7 @@ def _resolve(model: str | os.PathLike[str], revision: str | None) -> tuple[str, 
         if revision is not None:
             raise ValueError(f"revision={revision!r} applies to hub ids; {str(path)!r} is a local directory")
         return str(path), True
-    if isinstance(model, os.PathLike) or not _HUB_ID.fullmatch(str(model)):
+    if isinstance(model, os.PathLike) or not HUB_ID.fullmatch(str(model)):
         raise FileNotFoundError(f"model directory {str(path)!r} does not exist (nor is it a hub id org/name)")
     return str(model), False
 

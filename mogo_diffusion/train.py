@@ -4,15 +4,14 @@ One epoch: sample ``group_size`` images for each of ``prompts_per_epoch`` prompt
 adapter (CFG-free), score every reward, compute advantages, then for each training batch take one
 optimizer step that accumulates one ``backward`` per trained timestep of the sampler's grid; after
 the epoch the old adapter follows the trained one by EMA, and an evaluation EMA is kept apart.
-Strategies share the loop:
+What the rewards become (advantages, losses, the gradient of a step) is the strategy's
+(:mod:`mogo_diffusion.strategies`), chosen once from ``strategy``; the update after it (unscale,
+clip, step, under the run's autocast and gradient scaler) is the same for every strategy.
 
-* ``marble``: the K per-reward NFT losses into :class:`mogo.HarmonizedOptimizer` (MinNorm);
-* ``weighted_sum``: one NFT loss from the advantage of ``sum_k w_k R_k`` (DiffusionNFT's);
-* ``sequential``: one reward at a time, by the configured stages;
-* ``single``: one reward throughout (the specialist).
-
-Every random draw of an epoch comes from a generator seeded by ``(seed, epoch)``, so a run resumed
-from a checkpoint continues exactly as the uninterrupted run does.
+Every random draw comes from its own stream (:mod:`mogo_diffusion.streams`): the adapter's
+initialisation, and each epoch's sampling and training draws, each a child of
+``SeedSequence(train.seed)``; so a run resumed from a checkpoint continues exactly as the
+uninterrupted run does.
 
 Every ``train.eval_every`` epochs (and after the last) the evaluation EMA samples
 ``sampling.eval_prompts`` with fixed noise, the same in every run, and the rewards' means are
@@ -24,10 +23,12 @@ from __future__ import annotations
 
 import argparse
 import copy
+import difflib
+import inspect
 import json
-import math
 import time
 from collections.abc import Sequence
+from contextlib import AbstractContextManager, nullcontext
 from dataclasses import dataclass, replace
 from pathlib import Path
 from typing import Any
@@ -38,9 +39,8 @@ from accelerate.tracking import get_available_trackers
 from accelerate.utils import LoggerType
 from tqdm.auto import tqdm
 
-import mogo
 from mogo_diffusion import models
-from mogo_diffusion.advantages import per_reward_advantages, weighted_sum_advantages, zscore_rewards
+from mogo_diffusion.advantages import nan_mean
 from mogo_diffusion.checkpoint import (
     CheckpointError,
     checkpoint_path,
@@ -49,13 +49,15 @@ from mogo_diffusion.checkpoint import (
     save_checkpoint,
 )
 from mogo_diffusion.config import Config, ConfigError, add_config_arguments, config_from_args
-from mogo_diffusion.evaluate import nan_mean, plot_run, save_grid
-from mogo_diffusion.nft import kl_loss, nft_coefficients, nft_loss, nft_losses, nft_terms
+from mogo_diffusion.evaluate import plot_run, save_grid
+from mogo_diffusion.nft import kl_loss, nft_terms
 from mogo_diffusion.prompts import PromptSet, load_prompt_set
-from mogo_diffusion.rewards import MultiReward, make_reward
+from mogo_diffusion.rewards import MultiReward, make_reward, reward_factory
 from mogo_diffusion.sampling import Samples, decode, sample
+from mogo_diffusion.strategies import Strategy, make_strategy
+from mogo_diffusion.streams import stream_seed
 
-__all__ = ["DEFAULT_PROMPTS", "EVAL_SEED", "Batch", "Trainer", "main"]
+__all__ = ["DEFAULT_PROMPTS", "EVAL_SEED", "Batch", "Trainer", "check_config", "main"]
 
 DEFAULT_PROMPTS = tuple(
     f"a {color} {shape} on a {background} background"
@@ -73,17 +75,19 @@ by sample."""
 class Batch:
     """One epoch's samples. ``prompts``, their ``metadata`` and ``rewards [B, K]`` cover all
     processes' samples; this process's share is rows ``local`` of them, and
-    ``latents [b, C, h, w]`` and the embeddings hold only those."""
+    ``latents [b, C, h, w]``, the embeddings and ``images [b, 3, H, W]`` hold only those.
+    ``rewards`` is None until :meth:`Trainer.score`."""
 
     prompts: list[str]
     metadata: list[dict[str, Any]]
-    rewards: torch.Tensor
     local: slice
     embeds: torch.Tensor
     pooled: torch.Tensor
     latents: torch.Tensor
     sigmas: torch.Tensor
     timesteps: torch.Tensor
+    images: torch.Tensor
+    rewards: torch.Tensor | None = None
 
 
 def _trackers(names: Sequence[str]) -> list[str]:
@@ -98,6 +102,50 @@ def _trackers(names: Sequence[str]) -> list[str]:
     return list(names)
 
 
+def _precision(mixed_precision: str, device: torch.device) -> str:
+    """``train.mixed_precision`` with ``"auto"`` resolved: bf16 on a CUDA device that has it, else no."""
+    if mixed_precision != "auto":
+        return mixed_precision
+    return "bf16" if device.type == "cuda" and torch.cuda.is_bf16_supported() else "no"
+
+
+def _check_rewards(config: Config) -> None:
+    """Each reward's name is registered and its options are its factory's arguments."""
+    for i, spec in enumerate(config.rewards):
+        where = f"rewards.{i}"
+        try:
+            factory = reward_factory(spec.name)
+        except ValueError as error:
+            raise ConfigError(f"{where}.name: {error}") from None
+        signature = inspect.signature(factory)
+        parameters = signature.parameters
+        if not any(p.kind is inspect.Parameter.VAR_KEYWORD for p in parameters.values()):
+            for option in spec.options:
+                if option not in parameters:
+                    close = difflib.get_close_matches(option, list(parameters), n=1)
+                    hint = f" (did you mean {close[0]!r}?)" if close else ""
+                    raise ConfigError(
+                        f"{where}.options.{option}: {spec.name!r} has no such option{hint}; "
+                        f"it accepts {', '.join(parameters) or 'none'}"
+                    )
+        try:
+            signature.bind(**spec.options)
+        except TypeError as error:
+            raise ConfigError(f"{where}.options: {spec.name!r}: {error}") from None
+
+
+def check_config(config: Config) -> None:
+    """What :class:`~mogo_diffusion.config.Config` cannot check without the registries: reward
+    names and options (against :func:`mogo_diffusion.rewards.available_rewards`) and the strategy
+    (:func:`~mogo_diffusion.strategies.make_strategy`). :class:`Trainer` calls it first.
+
+    Raises:
+        ConfigError: naming the dotted field.
+    """
+    _check_rewards(config)
+    make_strategy(config)
+
+
 def _hyperparameters(config: Config) -> dict[str, Any]:
     """The config as flat ``section.key`` scalars (what trackers accept as hyper-parameters)."""
     flat: dict[str, Any] = {}
@@ -110,26 +158,46 @@ def _hyperparameters(config: Config) -> dict[str, Any]:
 
 
 class Trainer:
-    """The training loop of one run; ``Trainer(config).train()`` runs it to ``train.epochs``."""
+    """The training loop of one run; ``Trainer(config).train()`` runs it to ``train.epochs``.
 
-    def __init__(self, config: Config, accelerator: Accelerator | None = None) -> None:
-        if not config.rewards:
-            raise ConfigError("rewards: configure at least one reward")
+    An epoch is :meth:`sample` -> :meth:`score` -> :meth:`advantages` -> for each training
+    batch :meth:`gradients` (:meth:`losses` and the strategy's ``backward`` per trained
+    timestep) -> :meth:`update`; each step can be called, tested and overridden on its own.
+
+    Args:
+        config: the run.
+        accelerator: the processes and trackers (built from ``config`` when None); its own
+            mixed precision is not used: the trainer's autocast and ``scaler`` are.
+        strategy: the strategy (default :func:`~mogo_diffusion.strategies.make_strategy` of
+            ``config``).
+        scaler: the gradient scaler (default: a ``torch.amp.GradScaler`` on the device, enabled
+            for ``train.mixed_precision: fp16`` only).
+    """
+
+    def __init__(
+        self,
+        config: Config,
+        accelerator: Accelerator | None = None,
+        *,
+        strategy: Strategy | None = None,
+        scaler: torch.amp.GradScaler | None = None,
+    ) -> None:
+        check_config(config)
         self.config = config
         self.out = Path(config.train.out_dir)
         self.accelerator = accelerator or Accelerator(
-            mixed_precision=config.train.mixed_precision,
-            log_with=_trackers(config.train.log_with) or None,
-            project_dir=self.out / "trackers",
+            log_with=_trackers(config.train.log_with) or None, project_dir=self.out / "trackers"
         )
-        dtype = DTYPES[config.model.dtype]
+        self.device = self.accelerator.device
+        self.mixed_precision = _precision(config.train.mixed_precision, self.device)
+        self.scaler = scaler or torch.amp.GradScaler(self.device.type, enabled=self.mixed_precision == "fp16")
         self.pipeline = models.load_pipeline(
             config.model.pretrained,
             revision=config.model.revision,
             variant=config.model.variant,
-            torch_dtype=dtype,
+            torch_dtype=DTYPES[config.model.dtype],
         )
-        self.pipeline.to(self.accelerator.device)
+        self.pipeline.to(self.device)
         self.world = self.accelerator.num_processes
         if config.sampling.prompts_per_epoch % self.world:
             raise ConfigError(
@@ -137,8 +205,8 @@ class Trainer:
                 f"evenly over {self.world} processes"
             )
         self.transformer = self.pipeline.transformer
-        with torch.random.fork_rng(devices=[]):  # the adapter's Gaussian init, from the run's seed
-            torch.manual_seed(config.train.seed)
+        with torch.random.fork_rng(devices=[]):  # the adapter's Gaussian init, from its own stream
+            torch.manual_seed(self.seed_of("lora_init"))
             models.add_lora(
                 self.transformer,
                 config.model.lora_rank,
@@ -153,7 +221,7 @@ class Trainer:
         self.rewards = MultiReward(
             [make_reward(spec.name, **spec.options) for spec in config.rewards],
             threads=config.train.reward_threads,
-        ).to(self.accelerator.device)
+        ).to(self.device)
         self.prompts = self._load_prompts(config.sampling.prompts, "sampling.prompts")
         self.eval_prompts = (
             None
@@ -161,7 +229,8 @@ class Trainer:
             else self._load_prompts(config.sampling.eval_prompts, "sampling.eval_prompts")
         )
         self.eval_images: torch.Tensor | None = None
-        self.optimizer = self._make_optimizer()
+        self.strategy = strategy or make_strategy(config, self.world)
+        self.optimizer = self.strategy.build(self.params)
         self.epoch = 0
         self.metrics_path = self.out / "metrics.jsonl"
 
@@ -174,36 +243,25 @@ class Trainer:
         except (OSError, ValueError) as error:
             raise ConfigError(f"{field}: {error}") from None
 
-    def _make_optimizer(self) -> torch.optim.Optimizer:
-        train, strategy = self.config.train, self.config.strategy
-        inner = torch.optim.AdamW(self.params, lr=train.lr, weight_decay=train.weight_decay)
-        if strategy.name != "marble":
-            return inner
-        return mogo.HarmonizedOptimizer(
-            inner,
-            self.names,
-            harmonize_every=strategy.harmonize_every,
-            alpha_ema=strategy.alpha_ema,
-            grad_mode=strategy.grad_mode,
-            nonfinite=strategy.nonfinite,
-            accumulation=strategy.estimate,
-            sum_weights=[spec.weight if spec.weight is not None else 1.0 for spec in self.config.rewards],
-            distributed=mogo.DataParallel() if self.world > 1 else None,
-        )
+    # ---- the steps of an epoch -----------------------------------------------------------------
 
-    # ---- one epoch ----------------------------------------------------------------------------
+    def seed_of(self, purpose: str, *index: int) -> int:
+        """The seed of the run's random stream ``(purpose, *index)``
+        (:func:`mogo_diffusion.streams.stream_seed`)."""
+        return stream_seed(self.config.train.seed, purpose, *index)
 
-    def _generator(self, epoch: int) -> torch.Generator:
-        return torch.Generator().manual_seed(self.config.train.seed * 1_000_003 + epoch)
+    def stream(self, purpose: str, epoch: int) -> torch.Generator:
+        """The generator of ``purpose`` (``"sampling"``, ``"training"``) in ``epoch``: the same on
+        every process and in a resumed run, independent of every other stream."""
+        return torch.Generator().manual_seed(self.seed_of(purpose, epoch))
 
-    def collect(self, epoch: int) -> Batch:
-        """Sample the epoch's images with the old adapter and score them.
+    def sample(self, epoch: int) -> Batch:
+        """The epoch's prompts and images, sampled with the old adapter (``rewards`` not yet set).
 
-        Every process draws the same prompts and noise; each samples and scores its own whole
-        groups (rows ``local``), and the scores are gathered, so advantages see the whole batch.
-        """
+        Every process draws the same prompts and noise and samples its own whole groups (rows
+        ``local``)."""
         sampling = self.config.sampling
-        generator = self._generator(epoch)
+        generator = self.stream("sampling", epoch)
         chosen = torch.randint(len(self.prompts.prompts), (sampling.prompts_per_epoch,), generator=generator)
         rows = [i for i in chosen.tolist() for _ in range(sampling.group_size)]
         prompts = [self.prompts.prompts[i] for i in rows]
@@ -218,20 +276,18 @@ class Trainer:
         )
         with models.adapter(self.transformer, models.OLD):
             samples, images = self._sample(embeds, pooled, noise, sampling.num_steps)
-        scores = self.rewards(images, prompts[local], metadata[local]).values.to(self.accelerator.device)
+        latents, sigmas, timesteps = samples.latents, samples.sigmas, samples.timesteps
+        return Batch(prompts, metadata, local, embeds, pooled, latents, sigmas, timesteps, images)
+
+    def score(self, batch: Batch) -> Batch:
+        """``batch`` with its ``rewards [B, K]``: this process's images scored, and the scores of
+        every process gathered, so that advantages see the whole batch."""
+        local = batch.local
+        scores = self.rewards(batch.images, batch.prompts[local], batch.metadata[local]).values
+        scores = scores.to(self.device)
         if self.world > 1:
             scores = self.accelerator.gather(scores.contiguous())
-        return Batch(
-            prompts,
-            metadata,
-            scores,
-            local,
-            embeds,
-            pooled,
-            samples.latents,
-            samples.sigmas,
-            samples.timesteps,
-        )
+        return replace(batch, rewards=scores)
 
     def _sample(
         self, embeds: torch.Tensor, pooled: torch.Tensor, noise: torch.Tensor, num_steps: int
@@ -260,9 +316,7 @@ class Trainer:
         prompts, metadata = self.eval_prompts
         config = self.transformer.config
         shape = (len(prompts), config.in_channels, config.sample_size, config.sample_size)
-        noise = torch.randn(shape, generator=torch.Generator().manual_seed(EVAL_SEED)).to(
-            self.accelerator.device
-        )
+        noise = torch.randn(shape, generator=torch.Generator().manual_seed(EVAL_SEED)).to(self.device)
         embeds, pooled = models.encode_prompts(self.pipeline, prompts, self.config.model.max_sequence_length)
         trained = [p.detach().clone() for p in self.params]
         with torch.no_grad():
@@ -279,95 +333,27 @@ class Trainer:
         means = nan_mean(self.rewards(images, prompts, metadata).values)
         return {f"eval/{name}": float(m) for name, m in zip(self.names, means, strict=True)}
 
-    def active_rewards(self, epoch: int) -> list[int]:
-        """The rewards the strategy trains on in ``epoch`` (all of them but for sequential/single)."""
-        strategy = self.config.strategy
-        if strategy.name == "single":
-            return [self.names.index(strategy.reward)]
-        if strategy.name == "sequential":
-            total = sum(stage.epochs for stage in strategy.stages)
-            position = epoch % total
-            for stage in strategy.stages:
-                if position < stage.epochs:
-                    return [self.names.index(stage.reward)]
-                position -= stage.epochs
-        return list(range(len(self.names)))
-
     def advantages(self, batch: Batch, epoch: int) -> torch.Tensor:
-        """``[B, K]`` per-reward advantages for marble, else ``[B, 1]`` of the trained scalar."""
-        nft, strategy = self.config.nft, self.config.strategy
-        groups = batch.prompts
-        options = {"std_scope": nft.std_scope, "adv_clip": nft.adv_clip, "names": self.names}
-        if strategy.name == "marble":
-            return per_reward_advantages(batch.rewards, groups, **options)
-        if strategy.name == "weighted_sum":
-            weights = torch.tensor([spec.weight for spec in self.config.rewards], dtype=batch.rewards.dtype)
-            rewards = batch.rewards
-            if strategy.reward_scale == "zscore":
-                rewards = zscore_rewards(rewards, names=self.names)
-            return weighted_sum_advantages(rewards, weights, groups, nan=nft.weighted_sum_nan, **options)[
-                :, None
-            ]
-        (k,) = self.active_rewards(epoch)
-        return per_reward_advantages(
-            batch.rewards[:, k : k + 1], groups, **{**options, "names": [self.names[k]]}
-        )
+        """``[B, J]`` advantages of the scored ``batch``, one column per objective the strategy
+        trains (K for marble, 1 for the others)."""
+        return self.strategy.advantages(batch.rewards, batch.prompts, epoch)
 
-    def train_epoch(self, epoch: int) -> dict[str, Any]:
-        """Collect, then one optimizer step per training batch; returns the epoch's metrics."""
-        start = time.perf_counter()
-        batch = self.collect(epoch)
-        sampled = time.perf_counter()
-        advantages = self.advantages(batch, epoch)[batch.local]
-        train = self.config.train
-        generator = self._generator(epoch)
-        generator.manual_seed(generator.initial_seed() + 1)  # a stream apart from the sampling draws
-        steps = len(batch.timesteps)
-        count = max(1, int(train.timestep_fraction * steps))
-        order = torch.randperm(len(batch.latents), generator=generator)
-        kls = []
-        for begin in range(0, len(order), train.batch_size):
-            index = order[begin : begin + train.batch_size]
-            chosen = torch.randperm(steps, generator=generator)[:count].sort().values
-            noise = torch.randn((len(chosen), *batch.latents[index].shape), generator=generator)
-            self.optimizer.zero_grad()
-            for j, eps in zip(chosen.tolist(), noise, strict=True):
-                kls.append(self._backward(batch, index, advantages[index], j, eps.to(batch.latents)))
-            if isinstance(self.optimizer, mogo.HarmonizedOptimizer):
-                self.optimizer.harmonize()  # .grad final (and averaged over processes) before clipping
-            elif self.world > 1:
-                self._average_gradients()
-            if train.grad_clip is not None:
-                torch.nn.utils.clip_grad_norm_(self.params, train.grad_clip)
-            self.optimizer.step()
-        decay = min(train.old_decay_rate * epoch, train.old_decay_max)
-        models.ema_update(self.transformer, decay)
-        with torch.no_grad():
-            for ema, p in zip(self.eval_ema, self.params, strict=True):
-                ema.lerp_(p.detach(), 1 - train.eval_ema_decay)
-        seconds = time.perf_counter() - start
-        return self._metrics(epoch, batch, kls, seconds, sampled - start)
-
-    def _average_gradients(self) -> None:
-        """Average ``.grad`` over the processes, in one all-reduce."""
-        grads = [p.grad for p in self.params if p.grad is not None]
-        averaged = self.accelerator.reduce(torch.cat([g.reshape(-1) for g in grads]), reduction="mean")
-        for grad, part in zip(grads, averaged.split([g.numel() for g in grads]), strict=True):
-            grad.copy_(part.view_as(grad))
-
-    def _backward(
+    def losses(
         self, batch: Batch, index: torch.Tensor, advantages: torch.Tensor, j: int, eps: torch.Tensor
-    ) -> float:
-        """One trained timestep ``t = sigma_j`` of one training batch: forward(s) and backward."""
+    ) -> tuple[torch.Tensor, torch.Tensor | None]:
+        """The ``[J]`` NFT losses and the KL term (None when ``nft.kl_coef`` is 0) of the local
+        rows ``index`` at the trained timestep ``t = sigma_j`` with noise ``eps``; the trained
+        forward runs under the run's autocast."""
         nft = self.config.nft
-        x0 = batch.latents[index]  # index: rows of this process's share
+        x0 = batch.latents[index]
         t = float(batch.sigmas[j])
         x_t = (1 - t) * x0 + t * eps
+        dtype = self.transformer.dtype
         inputs = {
-            "hidden_states": x_t.to(self.transformer.dtype),
+            "hidden_states": x_t.to(dtype),
             "timestep": batch.timesteps[j].expand(len(index)).to(x_t.device),
-            "encoder_hidden_states": batch.embeds[index].to(self.transformer.dtype),
-            "pooled_projections": batch.pooled[index].to(self.transformer.dtype),
+            "encoder_hidden_states": batch.embeds[index].to(dtype),
+            "pooled_projections": batch.pooled[index].to(dtype),
             "return_dict": False,
         }
         with torch.no_grad():
@@ -377,40 +363,78 @@ class Trainer:
             if nft.kl_coef > 0:
                 with models.reference(self.transformer):
                     v_ref = self.transformer(**inputs)[0]
-        with self.accelerator.autocast():
+        with self.autocast():
             v = self.transformer(**inputs)[0]
         kl = kl_loss(v, v_ref, kl_coef=nft.kl_coef) if v_ref is not None else None
-        if isinstance(self.optimizer, mogo.HarmonizedOptimizer):
-            terms = nft_terms(v, v_old, x_t, x0, t, beta=nft.beta)
-            losses = nft_losses(terms, nft_coefficients(advantages, beta=nft.beta, adv_clip=nft.adv_clip))
-            self.optimizer.backward(losses, shared=kl)
-        else:
-            loss = nft_loss(v, v_old, x_t, x0, t, advantages[:, 0], beta=nft.beta, adv_clip=nft.adv_clip)
-            self.accelerator.backward(loss if kl is None else loss + kl)
-        return 0.0 if kl is None else float(kl.detach())
+        return self.strategy.losses(nft_terms(v, v_old, x_t, x0, t, beta=nft.beta), advantages), kl
 
-    def _metrics(
-        self, epoch: int, batch: Batch, kls: Sequence[float], seconds: float, sampling_s: float
-    ) -> dict:
-        rewards = batch.rewards
-        metrics: dict[str, Any] = {"epoch": epoch, "seconds": seconds, "sampling_seconds": sampling_s}
+    def autocast(self) -> AbstractContextManager:
+        """The trained forward's autocast (``train.mixed_precision``), or nothing for ``"no"``."""
+        if self.mixed_precision == "no":
+            return nullcontext()
+        dtype = torch.bfloat16 if self.mixed_precision == "bf16" else torch.float16
+        return torch.autocast(self.device.type, dtype=dtype)
+
+    def gradients(
+        self, batch: Batch, index: torch.Tensor, advantages: torch.Tensor, timesteps: Sequence[int],
+        noise: torch.Tensor,
+    ) -> torch.Tensor:  # fmt: skip
+        """Write one optimizer step's gradient into ``.grad``: one (scaled) backward per trained
+        timestep, then the strategy's final reduction, then unscaled; ``advantages`` are the rows
+        ``index``'s, ``noise [len(timesteps), *x0.shape]``. Returns the summed KL terms (a 0-d
+        float64 tensor on the device: no host sync)."""
+        self.optimizer.zero_grad()
+        total = torch.zeros((), dtype=torch.float64, device=self.device)
+        for j, eps in zip(timesteps, noise, strict=True):
+            losses, kl = self.losses(batch, index, advantages, j, eps.to(batch.latents))
+            self.strategy.backward(self.scaler.scale(losses), None if kl is None else self.scaler.scale(kl))
+            if kl is not None:
+                total += kl.detach()
+        self.strategy.finish()  # .grad final (harmonized, averaged over processes) before clipping
+        self.scaler.unscale_(self.optimizer)
+        return total
+
+    def update(self) -> None:
+        """Clip the (unscaled) gradient and step; a step whose gradient overflowed is skipped
+        and the scale lowered (``fp16``)."""
+        if self.config.train.grad_clip is not None:
+            torch.nn.utils.clip_grad_norm_(self.params, self.config.train.grad_clip)
+        self.scaler.step(self.optimizer)
+        self.scaler.update()
+
+    def train_epoch(self, epoch: int) -> dict[str, Any]:
+        """Sample, score, advantages, then one :meth:`gradients` and :meth:`update` per training
+        batch; returns the epoch's metrics."""
+        start = time.perf_counter()
+        batch = self.score(self.sample(epoch))
+        sampled = time.perf_counter()
+        advantages = self.advantages(batch, epoch)[batch.local]
+        train = self.config.train
+        generator = self.stream("training", epoch)
+        steps = len(batch.timesteps)
+        count = max(1, int(train.timestep_fraction * steps))
+        order = torch.randperm(len(batch.latents), generator=generator)
+        kl = torch.zeros((), dtype=torch.float64, device=self.device)
+        trained = 0
+        for begin in range(0, len(order), train.batch_size):
+            index = order[begin : begin + train.batch_size]
+            chosen = torch.randperm(steps, generator=generator)[:count].sort().values
+            noise = torch.randn((len(chosen), *batch.latents[index].shape), generator=generator)
+            kl += self.gradients(batch, index, advantages[index], chosen.tolist(), noise)
+            trained += len(chosen)
+            self.update()
+        decay = min(train.old_decay_rate * epoch, train.old_decay_max)
+        models.ema_update(self.transformer, decay)
+        with torch.no_grad():
+            for ema, p in zip(self.eval_ema, self.params, strict=True):
+                ema.lerp_(p.detach(), 1 - train.eval_ema_decay)
+        seconds = time.perf_counter() - start
+        metrics: dict[str, Any] = {"epoch": epoch, "seconds": seconds, "sampling_seconds": sampled - start}
         metrics["images_per_second"] = len(batch.prompts) / seconds
-        metrics["kl"] = sum(kls) / max(1, len(kls))
-        for k, name in enumerate(self.names):
-            column = rewards[:, k]
-            applicable = column[~torch.isnan(column)]
-            metrics[f"reward/{name}"] = float(applicable.mean()) if len(applicable) else math.nan
-        if isinstance(self.optimizer, mogo.HarmonizedOptimizer):
-            metrics.update(
-                {
-                    f"alpha/{n}": float(a)
-                    for n, a in zip(self.names, self.optimizer.amortizer.alpha, strict=True)
-                }
-            )
-            meter = self.optimizer.meter  # over the run's harmonization steps so far
-            metrics["conflict_rate"] = meter.conflict_rate
-            metrics["worst_cosine_weighted_sum"] = meter.worst_weighted_sum_cosine
-            metrics["worst_cosine_marble"] = meter.worst_harmonized_cosine
+        metrics["kl"] = float(kl) / max(1, trained)
+        means = nan_mean(batch.rewards).tolist()
+        metrics.update({f"reward/{name}": m for name, m in zip(self.names, means, strict=True)})
+        metrics.update(self.strategy.metrics())
         return metrics
 
     # ---- checkpoints ---------------------------------------------------------------------------
@@ -630,6 +654,7 @@ def main(argv: list[str] | None = None) -> None:
 
             defaults = shapes_config()
         config = config_from_args(args, defaults)
+        check_config(config)
     except (ConfigError, FileNotFoundError) as error:
         parser.error(str(error))
     trainer = Trainer(config)

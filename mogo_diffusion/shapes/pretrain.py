@@ -54,17 +54,22 @@ from transformers import (
     CLIPVisionConfig,
 )
 
+from mogo_diffusion import streams
 from mogo_diffusion.models import encode_prompts, load_component, tiny_sd3
 from mogo_diffusion.sampling import decode, encode, sample
 from mogo_diffusion.shapes.detect import check, detect_batch
 from mogo_diffusion.shapes.scenes import SIZE, Scene, all_prompts, render_batch, sample_scenes
+from mogo_diffusion.streams import stream_seed
 from mogo_diffusion.tokenizers import clip_tokenizer
 
 __all__ = [
     "PHASES",
+    "Pools",
     "Settings",
     "build_clip",
     "caption_following",
+    "caption_phase",
+    "clip_phase",
     "clip_processor",
     "flow_matching_loss",
     "latent_factors",
@@ -73,6 +78,8 @@ __all__ = [
     "train_clip",
     "train_transformer",
     "train_vae",
+    "transformer_phase",
+    "vae_phase",
 ]
 
 PHASES: tuple[str, ...] = ("vae", "transformer", "clip")
@@ -514,9 +521,140 @@ def _summary(losses: Sequence[float]) -> dict[str, float]:
     return {"first": losses[0], "last_5pct": sum(tail) / len(tail)} if losses else {}
 
 
-def main(argv: list[str] | None = None) -> dict[str, Any]:
-    """Run the command; returns the report (also written to ``OUT/pretrain_report.json``)."""
-    parser = _parser()
+@dataclass
+class Pools:
+    """The rendered scenes the phases train and evaluate on: the training pool (``images``
+    ``[N, 3, 32, 32]`` and their ``captions``) and 512 held-out scenes."""
+
+    images: Tensor
+    captions: list[str]
+    heldout_images: Tensor
+    heldout_captions: list[str]
+
+    @classmethod
+    def sample(cls, settings: Settings) -> Pools:
+        scenes = sample_scenes(settings.scenes, stream_seed(settings.seed, "train_pool"), "train")
+        heldout = sample_scenes(512, stream_seed(settings.seed, "heldout_pool"), "heldout")
+        return cls(
+            render_batch(scenes),
+            [s.prompt for s in scenes],
+            render_batch(heldout),
+            [s.prompt for s in heldout],
+        )
+
+
+def vae_phase(pipeline: StableDiffusion3Pipeline, pools: Pools, settings: Settings, out: Path) -> dict:
+    """Phase 1: train the VAE, set its latent shift and scale, save it to ``out/vae``; returns
+    its report (losses, factors, reconstruction errors)."""
+    started = time.perf_counter()
+    losses = train_vae(
+        pipeline.vae,
+        pools.images,
+        steps=settings.vae_steps,
+        batch=settings.vae_batch,
+        lr=settings.vae_lr,
+        kl_weight=settings.kl_weight,
+        generator=streams.generator(settings.seed, "vae"),
+    )
+    shift, scale = latent_factors(pipeline.vae, pools.images)
+    pipeline.vae.register_to_config(shift_factor=shift, scaling_factor=scale)
+    pipeline.vae.save_pretrained(out / "vae")
+    report = {"loss": _summary(losses), "shift_factor": shift, "scaling_factor": scale}
+    report["seconds"] = time.perf_counter() - started
+    for split, pool in (("train", pools.images[:2048]), ("heldout", pools.heldout_images)):
+        recon = _map_batches(lambda x: decode(pipeline.vae, encode(pipeline.vae, x)), pool)
+        report[f"reconstruction_mse_{split}"] = float(functional.mse_loss(recon, pool))
+    return report
+
+
+def transformer_phase(
+    pipeline: StableDiffusion3Pipeline, pools: Pools, settings: Settings, out: Path
+) -> dict:
+    """Phase 2: train the transformer by flow matching on the pool's latents and captions, save
+    the whole pipeline to ``out``; returns its report."""
+    started = time.perf_counter()
+    latents = _map_batches(lambda x: encode(pipeline.vae, x), pools.images)
+    distinct = list(dict.fromkeys(pools.captions))
+    position = {c: i for i, c in enumerate(distinct)}
+    embeds, pooled = encode_prompts(pipeline, distinct)
+    losses = train_transformer(
+        pipeline.transformer,
+        latents,
+        torch.tensor([position[c] for c in pools.captions]),
+        embeds,
+        pooled,
+        shift=float(pipeline.scheduler.config.shift),
+        steps=settings.steps,
+        batch=settings.batch,
+        lr=settings.lr,
+        warmup=min(settings.warmup, settings.steps),
+        ema=settings.ema,
+        generator=streams.generator(settings.seed, "transformer"),
+    )
+    pipeline.save_pretrained(out, safe_serialization=True)
+    return {"loss": _summary(losses), "captions": len(distinct), "seconds": time.perf_counter() - started}
+
+
+def caption_phase(pipeline: StableDiffusion3Pipeline, settings: Settings) -> dict:
+    """After phase 2: caption following of ``eval_prompts`` sampled images per split."""
+    return {
+        split: caption_following(
+            pipeline,
+            sample_scenes(settings.eval_prompts, stream_seed(settings.seed, "caption_scenes", code), split),
+            num_steps=settings.eval_steps,
+            seed=stream_seed(settings.seed, "caption_noise", code),
+        )[0]
+        for code, split in enumerate(("train", "heldout"))
+    }
+
+
+def clip_phase(pipeline: StableDiffusion3Pipeline, pools: Pools, settings: Settings, out: Path) -> dict:
+    """Phase 3: train the tiny CLIP (half of the images through the VAE), save it with its
+    tokenizer and processor to ``out/clip``; returns its report (losses, retrieval accuracy)."""
+    started = time.perf_counter()
+    images, captions = pools.images, pools.captions
+    tokenizer = clip_tokenizer(model_max_length=MAX_SEQUENCE_LENGTH)
+    mean, std = images.mean(dim=(0, 2, 3)), images.std(dim=(0, 2, 3))
+    vae = pipeline.vae
+    half = len(images) // 2  # the second half read through the VAE, as generated images are
+    clip_images = torch.cat(
+        [images[:half], _map_batches(lambda x: decode(vae, encode(vae, x)), images[half:])]
+    )
+    model = build_clip(tokenizer, seed=stream_seed(settings.seed, "clip_init"))
+    losses = train_clip(
+        model,
+        tokenizer,
+        clip_images,
+        captions,
+        mean=mean,
+        std=std,
+        steps=settings.clip_steps,
+        batch=settings.clip_batch,
+        lr=settings.clip_lr,
+        generator=streams.generator(settings.seed, "clip"),
+    )
+    processor = clip_processor(tokenizer, mean.tolist(), std.tolist())
+    model.save_pretrained(out / "clip")
+    processor.save_pretrained(out / "clip")
+    processor.image_processor.save_pretrained(out / "clip")  # preprocessor_config.json, for older loaders
+    retrieval = {}
+    for split, pool, pool_captions in (
+        ("heldout", pools.heldout_images, pools.heldout_captions),
+        ("train", images[:512], captions[:512]),
+    ):
+        candidates = all_prompts(split)
+        top1, top5 = retrieval_accuracy(model, processor, pool, pool_captions, candidates)
+        retrieval[f"retrieval_{split}"] = {"top1": top1, "top5": top5, "candidates": len(candidates)}
+    return {
+        "loss": _summary(losses),
+        **retrieval,
+        "parameters": sum(p.numel() for p in model.parameters()),
+        "seconds": time.perf_counter() - started,
+    }
+
+
+def _settings(parser: argparse.ArgumentParser, argv: list[str] | None) -> tuple[Settings, list[str], Path]:
+    """The checked settings, phases and output directory of the command line."""
     args = parser.parse_args(argv)
     phases = [p for p in args.phases.split(",") if p]
     unknown = sorted(set(phases) - set(PHASES))
@@ -526,140 +664,44 @@ def main(argv: list[str] | None = None) -> dict[str, Any]:
     for name in ("scenes", "vae_batch", "batch", "clip_batch", "eval_steps", "threads"):
         if getattr(settings, name) < 1:
             parser.error(f"--{name.replace('_', '-')} must be >= 1, got {getattr(settings, name)}")
+    if settings.seed < 0:
+        parser.error(f"--seed must be >= 0, got {settings.seed}")
     out: Path = args.out
     if out.is_file():
         parser.error(f"--out {str(out)!r} is a file")
     if "vae" not in phases and "transformer" in phases and not (out / "vae").is_dir():
         parser.error(f"phase 'transformer' without 'vae' needs a trained VAE in {str(out / 'vae')!r}")
+    return settings, phases, out
+
+
+def main(argv: list[str] | None = None) -> dict[str, Any]:
+    """Run the command; returns the report (also written to ``OUT/pretrain_report.json``)."""
+    settings, phases, out = _settings(_parser(), argv)
     out.mkdir(parents=True, exist_ok=True)
     torch.set_num_threads(settings.threads)
-    torch.manual_seed(settings.seed)
+    torch.manual_seed(stream_seed(settings.seed, "global"))
     report_path = out / "pretrain_report.json"
     report: dict[str, Any] = json.loads(report_path.read_text()) if report_path.is_file() else {}
     report["settings"] = asdict(settings)
     started = time.perf_counter()
-
-    scenes = sample_scenes(settings.scenes, settings.seed, "train")
-    images = render_batch(scenes)
-    captions = [s.prompt for s in scenes]
-    pipeline = tiny_sd3("small", seed=settings.seed, max_sequence_length=MAX_SEQUENCE_LENGTH)
+    pools = Pools.sample(settings)
+    pipeline = tiny_sd3(
+        "small", seed=stream_seed(settings.seed, "sd3_init"), max_sequence_length=MAX_SEQUENCE_LENGTH
+    )
     pipeline.set_progress_bar_config(disable=True)
-    heldout = sample_scenes(512, settings.seed + 1, "heldout")
-    heldout_images = render_batch(heldout)
-
     if "vae" in phases:
-        t0 = time.perf_counter()
-        generator = torch.Generator().manual_seed(settings.seed + 1)
-        losses = train_vae(
-            pipeline.vae,
-            images,
-            steps=settings.vae_steps,
-            batch=settings.vae_batch,
-            lr=settings.vae_lr,
-            kl_weight=settings.kl_weight,
-            generator=generator,
-        )
-        shift, scale = latent_factors(pipeline.vae, images)
-        pipeline.vae.register_to_config(shift_factor=shift, scaling_factor=scale)
-        pipeline.vae.save_pretrained(out / "vae")
-        report["vae"] = {
-            "loss": _summary(losses),
-            "shift_factor": shift,
-            "scaling_factor": scale,
-            "seconds": time.perf_counter() - t0,
-        }
-        for split, pool in (("train", images[:2048]), ("heldout", heldout_images)):
-            recon = _map_batches(lambda x: decode(pipeline.vae, encode(pipeline.vae, x)), pool)
-            report["vae"][f"reconstruction_mse_{split}"] = float(functional.mse_loss(recon, pool))
+        report["vae"] = vae_phase(pipeline, pools, settings, out)
         _log(report, out, f"vae: {json.dumps(report['vae'])}")
     elif "transformer" in phases or "clip" in phases:
         pipeline.vae = load_component(out, "vae")
-
     if "transformer" in phases:
-        t0 = time.perf_counter()
-        latents = _map_batches(lambda x: encode(pipeline.vae, x), images)
-        distinct = list(dict.fromkeys(captions))
-        position = {c: i for i, c in enumerate(distinct)}
-        embeds, pooled = encode_prompts(pipeline, distinct)
-        generator = torch.Generator().manual_seed(settings.seed + 2)
-        losses = train_transformer(
-            pipeline.transformer,
-            latents,
-            torch.tensor([position[c] for c in captions]),
-            embeds,
-            pooled,
-            shift=float(pipeline.scheduler.config.shift),
-            steps=settings.steps,
-            batch=settings.batch,
-            lr=settings.lr,
-            warmup=min(settings.warmup, settings.steps),
-            ema=settings.ema,
-            generator=generator,
-        )
-        pipeline.save_pretrained(out, safe_serialization=True)
-        report["transformer"] = {
-            "loss": _summary(losses),
-            "captions": len(distinct),
-            "seconds": time.perf_counter() - t0,
-        }
+        report["transformer"] = transformer_phase(pipeline, pools, settings, out)
         _log(report, out, f"transformer: {json.dumps(report['transformer'])}")
-    if "transformer" in phases and settings.eval_prompts:
-        following = {}
-        for split, seed in (("train", settings.seed + 3), ("heldout", settings.seed + 4)):
-            rates, _ = caption_following(
-                pipeline,
-                sample_scenes(settings.eval_prompts, seed, split),
-                num_steps=settings.eval_steps,
-                seed=settings.seed,
-            )
-            following[split] = rates
-        report["caption_following"] = following
-        _log(report, out, f"caption following: {json.dumps(following)}")
-
+        if settings.eval_prompts:
+            report["caption_following"] = caption_phase(pipeline, settings)
+            _log(report, out, f"caption following: {json.dumps(report['caption_following'])}")
     if "clip" in phases and settings.clip_steps:
-        t0 = time.perf_counter()
-        tokenizer = clip_tokenizer(model_max_length=MAX_SEQUENCE_LENGTH)
-        mean, std = images.mean(dim=(0, 2, 3)), images.std(dim=(0, 2, 3))
-        vae = pipeline.vae
-        half = len(images) // 2  # the second half read through the VAE, as generated images are
-        clip_images = torch.cat(
-            [images[:half], _map_batches(lambda x: decode(vae, encode(vae, x)), images[half:])]
-        )
-        model = build_clip(tokenizer, seed=settings.seed)
-        generator = torch.Generator().manual_seed(settings.seed + 5)
-        losses = train_clip(
-            model,
-            tokenizer,
-            clip_images,
-            captions,
-            mean=mean,
-            std=std,
-            steps=settings.clip_steps,
-            batch=settings.clip_batch,
-            lr=settings.clip_lr,
-            generator=generator,
-        )
-        processor = clip_processor(tokenizer, mean.tolist(), std.tolist())
-        model.save_pretrained(out / "clip")
-        processor.save_pretrained(out / "clip")
-        processor.image_processor.save_pretrained(out / "clip")  # preprocessor_config.json, for older loaders
-        top1, top5 = retrieval_accuracy(
-            model, processor, heldout_images, [s.prompt for s in heldout], all_prompts("heldout")
-        )
-        train_top1, train_top5 = retrieval_accuracy(
-            model, processor, images[:512], captions[:512], all_prompts("train")
-        )
-        report["clip"] = {
-            "loss": _summary(losses),
-            "retrieval_heldout": {"top1": top1, "top5": top5, "candidates": len(all_prompts("heldout"))},
-            "retrieval_train": {
-                "top1": train_top1,
-                "top5": train_top5,
-                "candidates": len(all_prompts("train")),
-            },
-            "parameters": sum(p.numel() for p in model.parameters()),
-            "seconds": time.perf_counter() - t0,
-        }
+        report["clip"] = clip_phase(pipeline, pools, settings, out)
         _log(report, out, f"clip: {json.dumps(report['clip'])}")
     report["seconds"] = time.perf_counter() - started
     _log(report, out, f"done in {report['seconds']:.0f} s: {out}")

@@ -40,7 +40,8 @@ REWARDS: tuple[str, ...] = (
 
 def shapes_config(**sections: dict[str, Any]) -> Config:
     """The shapes run's config; ``sections`` update it section by section, e.g.
-    ``shapes_config(strategy={"name": "weighted_sum"}, train={"seed": 1})``.
+    ``shapes_config(strategy={"name": "weighted_sum"}, train={"seed": 1})`` (a section with another
+    ``name``, a strategy, replaces the section).
 
     Raises:
         FileNotFoundError: the shapes pipeline is not installed (the message says how to build it).
@@ -91,5 +92,7 @@ def shapes_config(**sections: dict[str, Any]) -> Config:
     for section, values in sections.items():
         if section not in data:
             raise ValueError(f"unknown config section {section!r}; sections: {', '.join(data)}")
-        data[section] = values if isinstance(values, list) else {**data[section], **values}
+        base = data[section]
+        replaced = isinstance(values, list) or values.get("name", base.get("name")) != base.get("name")
+        data[section] = values if replaced else {**base, **values}  # a new strategy: its own fields
     return Config.from_dict(data)

@@ -10,7 +10,7 @@ import torch
 from hypothesis import given
 from hypothesis import strategies as st
 
-from mogo_diffusion.advantages import per_reward_advantages, weighted_sum_advantages, zscore_rewards
+from mogo_diffusion.advantages import nan_mean, per_reward_advantages, weighted_sum_advantages, zscore_rewards
 
 NAN = float("nan")
 
@@ -210,3 +210,17 @@ def test_zscores_standardise_each_reward_and_forget_its_scale(batch, scale, shif
         if len(column) and column.std() > 0:  # affine invariance: the weighted sum sees no scale
             moved = zscore_rewards(scale * R + shift, eps=1e-12)[valid, k]
             np.testing.assert_allclose(moved.numpy(), Z[valid, k].numpy(), rtol=1e-6, atol=1e-6)
+
+
+def test_nan_mean_skips_samples_a_reward_does_not_apply_to():
+    values = torch.tensor([[1.0, math.nan, math.nan], [3.0, 4.0, math.nan]])
+    means = nan_mean(values)
+    assert means[:2].tolist() == [2.0, 4.0]
+    assert math.isnan(means[2])
+
+
+@given(st.lists(st.lists(values, min_size=3, max_size=3), min_size=1, max_size=10))
+def test_nan_mean_is_numpys_nanmean(rows):
+    R = np.asarray(rows, dtype=np.float64)
+    expected = [np.mean(R[~np.isnan(R[:, k]), k]) if (~np.isnan(R[:, k])).any() else np.nan for k in range(3)]
+    np.testing.assert_allclose(nan_mean(torch.tensor(R)).numpy(), expected, rtol=1e-15)

@@ -4,15 +4,22 @@ from __future__ import annotations
 
 import argparse
 import re
+import subprocess
+import sys
 from pathlib import Path
 
 import pytest
+import yaml
 
 from mogo_diffusion.config import (
     Config,
     ConfigError,
+    HarmonizedConfig,
+    MarbleConfig,
     RewardSpec,
+    SingleConfig,
     StageConfig,
+    WeightedSumConfig,
     add_config_arguments,
     config_from_args,
     load_config,
@@ -117,9 +124,9 @@ def test_round_trip(tmp_path):
 
 def test_command_line():
     parser = add_config_arguments(argparse.ArgumentParser())
-    args = parser.parse_args(["--set", REWARDS[0], "--set", "train.epochs=3", "--set", "train.seed=-1"])
+    args = parser.parse_args(["--set", REWARDS[0], "--set", "train.epochs=3", "--set", "train.seed=7"])
     config = config_from_args(args)
-    assert (config.train.epochs, config.train.seed) == (3, -1)
+    assert (config.train.epochs, config.train.seed) == (3, 7)
 
 
 def test_programmatic_config_is_validated():
@@ -146,8 +153,6 @@ def test_programmatic_config_is_validated():
         (["model.lora_targets=[to_q, 1]"], "model.lora_targets.1: expected str, got int 1"),
         (["rewards.0.options=[1]"], "rewards.0.options: expected a mapping with string keys"),
         (["sampling=3"], "sampling: expected a mapping, got int 3"),
-        (["strategy.name=marbel"], "strategy.name: must be one of 'marble', 'weighted_sum'"),
-        (["strategy.name=marbel"], "(did you mean 'marble'?)"),
         (["nft.beta=0"], "nft.beta: must be in (0, 1], got 0.0"),
         (["nft.beta=1.5"], "nft.beta: must be in (0, 1], got 1.5"),
         (["nft.kl_coef=-1e-4"], "nft.kl_coef: must be >= 0, got -0.0001"),
@@ -158,19 +163,9 @@ def test_programmatic_config_is_validated():
         (["model.lora_targets=[]"], "model.lora_targets: must be non-empty, got []"),
         (["rewards.0.weight=-1"], "rewards.0.weight: must be >= 0, got -1.0"),
         (
-            ["rewards.0.name=sharpnes"],
-            "rewards.0.name: unknown reward 'sharpnes' (did you mean 'sharpness'?)",
-        ),
-        (["rewards.0.name=nope"], "Known rewards: aesthetic, clipscore, color_match, geneval"),
-        (
             ["rewards.1.name=jpeg_compressibility"],
             "rewards.1.name: 'jpeg_compressibility' is already rewards.0",
         ),
-        (
-            ["rewards.0.options={qualty: 3}"],
-            "rewards.0.options.qualty: 'jpeg_compressibility' has no such option (did you mean 'quality'?)",
-        ),
-        (["rewards.1.options={x: 3}"], "'sharpness' has no such option; it accepts none"),
         (["rewards.2.name="], "rewards.2.name: expected str, got NoneType None"),
         (["rewards.2.weight=1"], "rewards.2.name: required"),
         (
@@ -185,7 +180,7 @@ def test_programmatic_config_is_validated():
             ["rewards.1.weight=1"],
             "rewards.0.weight: give a weight for every reward or for none (rewards.1 has one)",
         ),
-        (["strategy.name=sequential"], "strategy.stages: the sequential strategy needs at least one stage"),
+        (["strategy.name=sequential"], "strategy.stages: must be non-empty, got []"),
         (
             ["strategy.name=sequential", "strategy.stages.0.reward=ocr", "strategy.stages.0.epochs=2"],
             "strategy.stages.0.reward: 'ocr' is not a configured reward",
@@ -203,15 +198,32 @@ def test_programmatic_config_is_validated():
             "strategy.stages.0.epochs: must be > 0, got 0",
         ),
         (
-            ["strategy.stages.0.reward=sharpness", "strategy.stages.0.epochs=1"],
-            "only the sequential strategy",
+            ["strategy.stages=[{reward: sharpness, epochs: 1}]"],
+            "strategy.stages: unknown key; strategy 'marble' has name, harmonize_every",
         ),
+        (
+            ["strategy.harmonize_evry=2"],
+            "strategy.harmonize_evry: unknown key (did you mean 'harmonize_every",
+        ),
+        (
+            ["strategy.name=single", "strategy.alpha_ema=0.5"],
+            "strategy.alpha_ema: unknown key; strategy 'sing",
+        ),
+        (["strategy.name="], "strategy.name: expected a strategy name, got None"),
         (["strategy.name=single"], "strategy.reward: the single strategy needs the name of its reward"),
         (
             ["strategy.name=single", "strategy.reward=ocr"],
             "strategy.reward: 'ocr' is not a configured reward",
         ),
-        (["strategy.reward=sharpness"], "strategy.reward: only the single strategy has one reward"),
+        (["strategy.reward=sharpness"], "strategy.reward: unknown key; strategy 'marble' has"),
+        (["train.seed=-1"], "train.seed: must be >= 0, got -1"),
+        (["train.seed=99999999999999999999"], "train.seed: must fit a 64-bit integer"),
+        (["train.epochs=-99999999999999999999"], "train.epochs: must fit a 64-bit integer"),
+        (
+            ["train.mixed_precision=fp16"],
+            "strategy.nonfinite: train.mixed_precision 'fp16' needs 'skip'",
+        ),
+        (["model.pretrained=sd3-medium"], "'sd3-medium' is neither an existing directory nor a hub id"),
         (
             ["model.pretrained=./models/tiny"],
             "model.pretrained: local directory './models/tiny' does not exist",
@@ -236,9 +248,7 @@ def test_errors_name_the_field(overrides, message):
 
 
 def test_no_rewards():
-    with pytest.raises(
-        ConfigError, match="rewards: at least one reward is needed; known rewards: aesthetic, clipscore"
-    ):
+    with pytest.raises(ConfigError, match="rewards: at least one reward is needed"):
         load_config()
 
 
@@ -256,3 +266,61 @@ def test_bad_files(tmp_path):
         load_config(write(tmp_path, "- 1\n"))
     with pytest.raises(ConfigError, match="could not determine a constructor"):
         load_config(write(tmp_path, "train: !!python/object/apply:os.system [echo]\n"))
+
+
+def test_a_binary_file_a_directory_and_a_missing_file_are_named(tmp_path):
+    """D16: a binary file gave a raw UnicodeDecodeError, a directory "does not exist"."""
+    binary = tmp_path / "model.safetensors"
+    binary.write_bytes(b"\x89PNG\r\n\x1a\n\xff\xfe\x00\x00")
+    with pytest.raises(ConfigError, match=r"model\.safetensors' is not UTF-8 text \(byte 0"):
+        load_config(binary)
+    with pytest.raises(ConfigError, match="is a directory, not a YAML file"):
+        load_config(tmp_path)
+
+
+def test_yaml_aliases_are_refused_before_they_expand(tmp_path):
+    """D17: nine levels of aliases in reward options (429 bytes) expanded to 128 MB when saved."""
+    levels = ["a0: &a0 [x, x, x, x, x, x, x, x, x, x]"]
+    levels += [f"a{i}: &a{i} [*a{i - 1}, *a{i - 1}, *a{i - 1}, *a{i - 1}, *a{i - 1}]" for i in range(1, 9)]
+    text = "rewards:\n  - name: sharpness\n    options:\n" + "".join(f"      {line}\n" for line in levels)
+    with pytest.raises(ConfigError, match=r"run\.yaml: line 5: YAML aliases \(\*a0\) are not allowed"):
+        load_config(write(tmp_path, text))
+    with pytest.raises(ConfigError, match="aliases"):
+        load_config(None, [*REWARDS, "rewards.0.options={a: &x 1, b: *x}"])
+    anchored = load_config(write(tmp_path, "rewards:\n  - &first {name: sharpness}\n"))  # an anchor alone
+    assert anchored.rewards == [RewardSpec("sharpness")]
+
+
+def test_strategies_are_a_union_tagged_by_name(tmp_path):
+    path = write(tmp_path, "rewards: [{name: sharpness}]\nstrategy: {name: marble, harmonize_every: 3}\n")
+    assert load_config(path).strategy == MarbleConfig(harmonize_every=3)
+    single = load_config(path, ["strategy.name=single", "strategy.reward=sharpness"])
+    assert single.strategy == SingleConfig(reward="sharpness")  # marble's fields are gone
+    weights = ["rewards.0.weight=1", "rewards.1.weight=2"]
+    ws = load_config(None, [*REWARDS, "strategy.name=weighted_sum", *weights])
+    assert ws.strategy == WeightedSumConfig()
+    other = load_config(None, [*REWARDS, "strategy.name=my_weighting", "strategy.options={c: 0.5}"])
+    assert other.strategy == HarmonizedConfig(name="my_weighting", options={"c": 0.5})
+    merged = load_config(path, ["strategy.alpha_ema=0.5"]).strategy
+    assert merged == MarbleConfig(harmonize_every=3, alpha_ema=0.5)
+    assert Config.from_dict(other.to_dict()) == other
+
+
+def test_parsing_a_config_imports_neither_torch_nor_the_rewards():
+    code = (
+        "import sys; from mogo_diffusion.config import load_config; "
+        "load_config(None, ['rewards.0.name=sharpness']); "
+        "print(sorted(m for m in ('torch', 'scipy', 'mogo_diffusion.rewards') if m in sys.modules))"
+    )
+    done = subprocess.run([sys.executable, "-c", code], capture_output=True, text=True, check=True)
+    assert done.stdout.strip() == "[]"
+
+
+def test_the_documented_strategies_are_valid():
+    text = (Path(__file__).resolve().parents[2] / "docs" / "diffusion.rst").read_text()
+    lines = re.findall(r"^    (strategy: .*?)(?:\s+#.*)?$", text, flags=re.M)
+    assert len(lines) == 5
+    rewards = [{"name": "ocr", "weight": 1.0}, {"name": "pickscore", "weight": 1.0}]
+    for line in lines:
+        config = Config.from_dict({"rewards": rewards, **yaml.safe_load(line)})
+        assert config.strategy.name == yaml.safe_load(line)["strategy"]["name"]

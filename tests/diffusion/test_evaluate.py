@@ -3,7 +3,6 @@
 from __future__ import annotations
 
 import json
-import math
 
 import numpy as np
 import pytest
@@ -14,19 +13,11 @@ from PIL import Image
 
 from mogo_diffusion.evaluate import (
     composite_zscores,
-    nan_mean,
     plot_run,
     read_metrics,
     reward_zscores,
     save_grid,
 )
-
-
-def test_nan_mean_skips_samples_a_reward_does_not_apply_to():
-    values = torch.tensor([[1.0, math.nan, math.nan], [3.0, 4.0, math.nan]])
-    means = nan_mean(values)
-    assert means[:2].tolist() == [2.0, 4.0]
-    assert math.isnan(means[2])
 
 
 def test_composite_is_the_mean_z_score_and_ignores_constant_rewards():

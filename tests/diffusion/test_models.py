@@ -13,6 +13,7 @@ import torch
 from diffusers import SD3Transformer2DModel, StableDiffusion3Pipeline
 from peft import LoraConfig
 
+from mogo_diffusion.config import ConfigError, load_config
 from mogo_diffusion.models import (
     LORA_TARGETS,
     OLD,
@@ -164,6 +165,20 @@ def test_missing_or_wrong_paths_give_errors_that_name_them(saved, tmp_path):
 def test_an_uncached_hub_id_fails_offline_with_its_name():
     with pytest.raises(OSError, match="mogo-tests/no-such-model"):
         load_pipeline("mogo-tests/no-such-model", local_files_only=True)
+
+
+@pytest.mark.parametrize("model", ["sd3-medium", "org/name", "org/name.v2", "a b/c", "-org/name", "org/"])
+def test_the_config_and_the_loader_agree_on_what_a_hub_id_is(model):
+    """One pattern: ``sd3-medium`` passed the config and then failed in the loader."""
+    try:
+        load_config(None, ["rewards.0.name=sharpness", f"model.pretrained={model}"])
+        config_accepts = True
+    except ConfigError:
+        config_accepts = False
+    with pytest.raises(OSError, match=re.escape(model)) as info:
+        load_pipeline(model, local_files_only=True)
+    loader_treats_as_hub_id = type(info.value) is OSError  # not "directory does not exist"
+    assert config_accepts == loader_treats_as_hub_id
 
 
 # Tokenizers ---------------------------------------------------------------------------------------

@@ -18,6 +18,7 @@ from mogo_diffusion.rewards import MultiReward, Reward, available_rewards, make_
 from mogo_diffusion.rewards.clip import AestheticPredictor, ClipScore, ImageTransform, PickScore
 from mogo_diffusion.rewards.hps import HPS_FILE, HPSv21, convert_open_clip
 from mogo_diffusion.tokenizers import clip_tokenizer
+from mogo_diffusion.train import check_config
 
 ROOT = Path(__file__).resolve().parents[2]
 CONTEXT, WIDTH, LAYERS, HEADS, PATCH, SIZE, DIM = 16, 32, 2, 2, 8, 32, 16
@@ -468,7 +469,8 @@ def test_the_documented_config_is_valid():
     blocks = re.findall(r"\.\. code-block:: yaml\n\n((?:    .*\n|\n)+)", text)
     assert blocks
     for block in blocks:
-        config = Config.from_dict(yaml.safe_load(block))  # validates names and options
+        config = Config.from_dict(yaml.safe_load(block))
+        check_config(config)  # reward names and options
         assert config.rewards
 
 

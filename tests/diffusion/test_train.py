@@ -16,11 +16,18 @@ import torch
 from accelerate.tracking import get_available_trackers
 from accelerate.utils import LoggerType
 from diffusers import StableDiffusion3Pipeline
+from hypothesis import given
+from hypothesis import strategies as st
 
+import mogo
 from mogo_diffusion import models
+from mogo_diffusion import train as train_module
+from mogo_diffusion.advantages import per_reward_advantages, weighted_sum_advantages
 from mogo_diffusion.checkpoint import CheckpointError, load_checkpoint, save_checkpoint
-from mogo_diffusion.config import Config, ConfigError
-from mogo_diffusion.train import Trainer, main
+from mogo_diffusion.config import Config, ConfigError, load_config
+from mogo_diffusion.nft import kl_loss, nft_loss
+from mogo_diffusion.streams import stream_seed
+from mogo_diffusion.train import Trainer, check_config, main
 from tests.diffusion import train_worker
 from tests.diffusion.test_checkpoint import assert_same
 from tests.launch import accelerate_launch, launch
@@ -69,27 +76,253 @@ def lora_vector(trainer: Trainer) -> torch.Tensor:
     return torch.cat([p.detach().reshape(-1) for p in trainer.params])
 
 
-@pytest.mark.parametrize("strategy", list(STRATEGIES))
-def test_every_strategy_trains_logs_and_checkpoints(tiny_dir, tmp_path, strategy):
-    trainer = Trainer(config(tiny_dir, tmp_path, strategy))
-    before = lora_vector(trainer)
-    history = trainer.train()
+def test_a_run_trains_logs_and_checkpoints(tiny_dir, tmp_path):
+    history = Trainer(config(tiny_dir, tmp_path, "marble")).train()
     assert [m["epoch"] for m in history] == [0, 1]
-    assert not torch.equal(lora_vector(trainer), before)
     lines = [json.loads(line) for line in (tmp_path / "metrics.jsonl").read_text().splitlines()]
     assert len(lines) == 2
     assert {"reward/jpeg_compressibility", "reward/sharpness", "reward/color_match", "kl"} <= set(lines[0])
-    if strategy == "marble":
-        alpha = [lines[-1][f"alpha/{spec['name']}"] for spec in REWARDS]
-        assert abs(sum(alpha) - 1) < 1e-6
-        assert 0 <= lines[-1]["conflict_rate"] <= 1
+    assert lines[0]["kl"] == 0  # the first step starts from the base model (LoRA B = 0)
+    assert lines[1]["kl"] > 0  # read once per epoch from the device
+    alpha = [lines[-1][f"alpha/{spec['name']}"] for spec in REWARDS]
+    assert abs(sum(alpha) - 1) < 1e-6
+    assert 0 <= lines[-1]["conflict_rate"] <= 1
     assert sorted(p.name for p in (tmp_path / "checkpoints").iterdir()) == ["step-000001", "step-000002"]
     assert (tmp_path / "config.yaml").is_file()
 
 
 def test_sequential_follows_its_stages(tiny_dir, tmp_path):
     trainer = Trainer(config(tiny_dir, tmp_path, "sequential"))
-    assert [trainer.active_rewards(epoch) for epoch in range(4)] == [[1], [2], [1], [2]]
+    assert [trainer.strategy.columns(epoch) for epoch in range(4)] == [[1], [2], [1], [2]]
+
+
+# ---- one step at a time ------------------------------------------------------------------------
+
+
+def one_step(trainer: Trainer, steps: int = 2):
+    """A scored batch, its local advantages, rows, trained timesteps and noise, as an epoch draws
+    them; the trained adapter moved off zero first, so that it differs from the old and the base."""
+    generator = torch.Generator().manual_seed(4)
+    with torch.no_grad():
+        for p in trainer.params:
+            p.add_(0.05 * torch.randn(p.shape, generator=generator))
+    batch = trainer.score(trainer.sample(0))
+    advantages = trainer.advantages(batch, 0)[batch.local]
+    index = torch.tensor([2, 0, 3])
+    timesteps = list(range(steps))
+    noise = torch.randn((steps, *batch.latents[index].shape), generator=torch.Generator().manual_seed(5))
+    return batch, advantages, index, timesteps, noise
+
+
+def flat(tensors) -> torch.Tensor:
+    return torch.cat([t.reshape(-1) for t in tensors])
+
+
+def forward(trainer: Trainer, batch, index, j, eps):
+    """``(v, v_old, v_ref, x_t, x0, t)`` at timestep j, computed here rather than by the trainer."""
+    x0 = batch.latents[index]
+    t = float(batch.sigmas[j])
+    x_t = (1 - t) * x0 + t * eps
+    args = (x_t, batch.embeds[index], batch.pooled[index], batch.timesteps[j].expand(len(index)))
+    with torch.no_grad(), models.adapter(trainer.transformer, models.OLD):
+        v_old = trainer.transformer(*args, return_dict=False)[0]
+    with torch.no_grad(), models.reference(trainer.transformer):
+        v_ref = trainer.transformer(*args, return_dict=False)[0]
+    v = trainer.transformer(*args, return_dict=False)[0]
+    return v, v_old, v_ref, x_t, x0, t
+
+
+def grads_of(loss: torch.Tensor, params) -> torch.Tensor:
+    return flat(torch.autograd.grad(loss, params, retain_graph=True))
+
+
+@pytest.mark.parametrize("strategy", ["weighted_sum", "single", "sequential"])
+def test_a_one_advantage_step_is_the_gradient_of_its_nft_loss_then_adamw(tiny_dir, tmp_path, strategy):
+    trainer = Trainer(config(tiny_dir, tmp_path, strategy, grad_clip=0.05))
+    batch, advantages, index, timesteps, noise = one_step(trainer)
+    rewards, groups = batch.rewards, batch.prompts
+    if strategy == "weighted_sum":
+        expected_adv = weighted_sum_advantages(rewards, [1.0, 1.0, 1.0], groups)
+    else:
+        k = {"single": 2, "sequential": 1}[strategy]  # color_match; the first stage, sharpness
+        expected_adv = per_reward_advantages(rewards[:, k : k + 1], groups)[:, 0]
+    torch.testing.assert_close(advantages[:, 0], expected_adv[batch.local], rtol=0, atol=0)
+    expected = 0
+    for j, eps in zip(timesteps, noise, strict=True):
+        v, v_old, v_ref, x_t, x0, t = forward(trainer, batch, index, j, eps)
+        loss = nft_loss(v, v_old, x_t, x0, t, expected_adv[index], beta=0.1) + kl_loss(v, v_ref, kl_coef=1e-4)
+        expected = expected + grads_of(loss, trainer.params)
+    before = [p.detach().clone() for p in trainer.params]
+    kl = trainer.gradients(batch, index, advantages[index], timesteps, noise)
+    assert kl.dtype == torch.float64
+    assert kl > 0
+    # float32 sums of the same terms in another order: n * eps32 of the largest, n the terms per entry
+    tolerance = 64 * torch.finfo(torch.float32).eps * float(expected.abs().max())
+    torch.testing.assert_close(flat(p.grad for p in trainer.params), expected, rtol=0, atol=tolerance)
+    trainer.update()
+    reference = [p.clone().requires_grad_() for p in before]
+    for p, g in zip(reference, trainer.params, strict=True):
+        p.grad = g.grad.clone()  # the trainer's gradient, clipped and stepped by a fresh AdamW
+    torch.nn.utils.clip_grad_norm_(reference, 0.05)
+    torch.optim.AdamW(reference, lr=1e-2, weight_decay=1e-4).step()
+    assert torch.equal(flat(trainer.params), flat(reference))
+
+
+def marble_gradient(trainer, batch, advantages, index, j, eps) -> torch.Tensor:
+    """``sum_k w_k grad L_k + grad KL`` with MARBLE's ``w_k = mean_l ||g_l|| alpha_k / ||g_k||``
+    and ``alpha`` the min-norm point of the unit gradients, computed from K separate gradients."""
+    v, v_old, v_ref, x_t, x0, t = forward(trainer, batch, index, j, eps)
+    g = torch.stack(
+        [
+            grads_of(nft_loss(v, v_old, x_t, x0, t, advantages[:, k], beta=0.1), trainer.params)
+            for k in range(advantages.shape[1])
+        ]
+    ).double()
+    norms = g.norm(dim=1)
+    unit = g / norms[:, None]
+    alpha = mogo.min_norm(unit @ unit.T).alpha
+    weights = norms.mean() * alpha / norms
+    return (weights @ g).float() + grads_of(kl_loss(v, v_ref, kl_coef=1e-4), trainer.params)
+
+
+def test_the_marble_gradient_is_the_weighted_sum_of_the_per_reward_gradients(tiny_dir, tmp_path):
+    trainer = Trainer(config(tiny_dir, tmp_path, "marble"))
+    batch, advantages, index, timesteps, noise = one_step(trainer, steps=1)
+    torch.testing.assert_close(
+        advantages, per_reward_advantages(batch.rewards, batch.prompts)[batch.local], rtol=0, atol=0
+    )
+    expected = marble_gradient(trainer, batch, advantages[index], index, timesteps[0], noise[0])
+    trainer.gradients(batch, index, advantages[index], timesteps, noise)
+    # float32 gradients summed in another order, the float64 weights rounded to float32
+    tolerance = 64 * torch.finfo(torch.float32).eps * float(expected.abs().max())
+    torch.testing.assert_close(flat(p.grad for p in trainer.params), expected, rtol=0, atol=tolerance)
+
+
+def test_a_registered_weighting_reaches_the_trainer_by_name(tiny_dir, tmp_path):
+    """A weighting registered in mogo is a strategy without editing the trainer."""
+    mogo.register_weighting("test_equal_sum", lambda scale=1.0: mogo.WeightedSum([scale] * 3))
+    try:
+        data = config(tiny_dir, tmp_path).to_dict()
+        data["strategy"] = {"name": "test_equal_sum", "harmonize_every": 1, "options": {"scale": 2.0}}
+        trainer = Trainer(Config.from_dict(data))
+        assert isinstance(trainer.optimizer.weighting, mogo.WeightedSum)
+        batch, advantages, index, timesteps, noise = one_step(trainer, steps=1)
+        v, v_old, v_ref, x_t, x0, t = forward(trainer, batch, index, 0, noise[0])
+        adv = advantages[index]
+        total = sum(2.0 * nft_loss(v, v_old, x_t, x0, t, adv[:, k], beta=0.1) for k in range(3))
+        expected = grads_of(total + kl_loss(v, v_ref, kl_coef=1e-4), trainer.params)
+        trainer.gradients(batch, index, adv, timesteps, noise)
+        tolerance = 64 * torch.finfo(torch.float32).eps * float(expected.abs().max())
+        torch.testing.assert_close(flat(p.grad for p in trainer.params), expected, rtol=0, atol=tolerance)
+        data["strategy"]["options"] = {"colour": 1}
+        with pytest.raises(ConfigError, match=r"strategy\.options: weighting 'test_equal_sum'"):
+            Trainer(Config.from_dict(data))
+    finally:
+        mogo.WEIGHTINGS.pop("test_equal_sum")
+
+
+def test_train_py_decides_no_strategy():
+    """The strategy is chosen in one place (strategies.make_strategy): train.py names none."""
+    source = Path(train_module.__file__).read_text()
+    for name in ("marble", "weighted_sum", "sequential", "single", "HarmonizedOptimizer"):
+        assert f'"{name}"' not in source, name
+        assert f"mogo.{name}" not in source, name
+    assert "isinstance(self.optimizer" not in source
+
+
+# ---- mixed precision: one gradient pipeline for every strategy --------------------------------
+
+
+@pytest.mark.parametrize("strategy", ["marble", "weighted_sum"])
+def test_a_gradient_scaler_changes_no_gradient_and_no_update(tiny_dir, tmp_path, strategy):
+    """Scaling the losses by 2**12 and unscaling before clipping is exact (powers of two), for
+    the harmonized arm and the plain one alike: the trainer's gradients and updates are the
+    unscaled ones (accelerate's scaler used to reach clipping and AdamW scaled, marble's not)."""
+    runs = []
+    for scaler in (None, torch.amp.GradScaler("cpu", init_scale=2.0**12)):
+        trainer = Trainer(config(tiny_dir, tmp_path, strategy, grad_clip=0.05), scaler=scaler)
+        batch, advantages, index, timesteps, noise = one_step(trainer)
+        trainer.gradients(batch, index, advantages[index], timesteps, noise)
+        grads = flat(p.grad for p in trainer.params)
+        trainer.update()
+        runs.append((grads, flat(trainer.params).detach()))
+    assert not runs[0][1].equal(flat(Trainer(config(tiny_dir, tmp_path, strategy)).params))
+    assert torch.equal(runs[0][0], runs[1][0])
+    assert torch.equal(runs[0][1], runs[1][1])
+
+
+@pytest.mark.parametrize("strategy", ["marble", "weighted_sum"])
+def test_an_overflowing_step_is_skipped_and_lowers_the_scale(tiny_dir, tmp_path, strategy):
+    data = config(tiny_dir, tmp_path, strategy).to_dict()
+    data["train"]["mixed_precision"] = "fp16"
+    if strategy == "marble":
+        data["strategy"]["nonfinite"] = "skip"
+    scaler = torch.amp.GradScaler("cpu", init_scale=2.0**10)
+    trainer = Trainer(Config.from_dict(data), scaler=scaler)
+    assert trainer.scaler is scaler
+    assert trainer.mixed_precision == "fp16"
+    batch, advantages, index, timesteps, noise = one_step(trainer)
+    before = flat(trainer.params).detach().clone()
+    hook = trainer.params[0].register_hook(lambda grad: grad * float("inf"))  # an overflow, injected
+    trainer.gradients(batch, index, advantages[index], timesteps, noise)
+    trainer.update()
+    hook.remove()
+    assert torch.equal(flat(trainer.params), before)
+    assert not trainer.optimizer.state  # AdamW never stepped (its state is forwarded by mogo's)
+    assert scaler.get_scale() == 2.0**9
+    trainer.gradients(batch, index, advantages[index], timesteps, noise)
+    trainer.update()
+    assert not torch.equal(flat(trainer.params), before)
+    assert torch.isfinite(flat(trainer.params)).all()
+    assert scaler.get_scale() == 2.0**9
+
+
+def test_bf16_autocast_trains_on_the_cpu_and_auto_means_no_there(tiny_dir, tmp_path):
+    auto = Trainer(config(tiny_dir, tmp_path, "weighted_sum", mixed_precision="auto"))
+    assert auto.mixed_precision == "no"
+    assert not auto.scaler.is_enabled()
+    trainer = Trainer(config(tiny_dir, tmp_path, "marble", mixed_precision="bf16"))
+    assert not trainer.scaler.is_enabled()
+    batch, advantages, index, timesteps, noise = one_step(trainer, steps=1)
+    with trainer.autocast():
+        v = forward(trainer, batch, index, 0, noise[0])[0]
+    assert v.dtype == torch.bfloat16
+    losses, _ = trainer.losses(batch, index, advantages[index], 0, noise[0])
+    assert losses.dtype == torch.float32
+    assert losses.shape == (3,)
+    before = flat(trainer.params).detach().clone()
+    trainer.gradients(batch, index, advantages[index], timesteps, noise)
+    assert all(p.grad.dtype == torch.float32 and torch.isfinite(p.grad).all() for p in trainer.params)
+    trainer.update()
+    assert not torch.equal(flat(trainer.params), before)
+
+
+# ---- random streams ----------------------------------------------------------------------------
+
+
+def test_the_random_streams_of_a_run_are_distinct(tiny_dir, tmp_path):
+    """The training draws of epoch e were the sampling draws of epoch e + 1 (the same seed)."""
+    trainer = Trainer(config(tiny_dir, tmp_path, "single"))
+    seeds = [
+        trainer.stream(purpose, e).initial_seed() for purpose in ("sampling", "training") for e in range(4)
+    ]
+    assert len({*seeds, trainer.seed_of("lora_init")}) == 9
+    draws = [torch.randn(64, generator=trainer.stream(p, e)) for p, e in (("training", 0), ("sampling", 1))]
+    assert not torch.equal(*draws)
+
+
+@given(
+    seed=st.integers(0, 2**63 - 1),
+    keys=st.lists(
+        st.tuples(st.sampled_from(["sampling", "training", "vae"]), st.integers(0, 10**6)),
+        min_size=2,
+        max_size=8,
+        unique=True,
+    ),
+)
+def test_stream_seeds_differ_for_distinct_purposes_and_indices(seed, keys):
+    seeds = [stream_seed(seed, purpose, index) for purpose, index in keys]
+    assert len(set(seeds)) == len(seeds)  # a collision of 64-bit hashes: probability < 2**-58
 
 
 def test_a_resumed_run_ends_bit_identical_to_an_uninterrupted_one(tiny_dir, tmp_path):
@@ -134,7 +367,7 @@ def test_the_saved_lora_loads_into_a_fresh_pipeline_and_changes_its_output(tiny_
 
 def test_bad_configs_fail_at_start_naming_the_field(tiny_dir, tmp_path):
     with pytest.raises(ConfigError, match=r"rewards\.0\.name"):
-        Config.from_dict({"rewards": [{"name": "no_such_reward"}]})
+        Trainer(Config.from_dict({"rewards": [{"name": "no_such_reward"}]}))
     data = config(tiny_dir, tmp_path, "weighted_sum").to_dict()
     data["rewards"][1]["weight"] = None
     with pytest.raises(ConfigError, match="weight"):
@@ -243,6 +476,36 @@ def test_a_bad_prompt_source_is_named(tiny_dir, tmp_path):
     data["sampling"]["eval_prompts"] = "shapes:validation"
     with pytest.raises(ConfigError, match=r"sampling\.eval_prompts: prompt source 'shapes:validation'"):
         Trainer(Config.from_dict(data))
+
+
+@pytest.mark.parametrize(
+    ("overrides", "message"),
+    [
+        (
+            ["rewards.0.name=sharpnes"],
+            "rewards.0.name: unknown reward 'sharpnes' (did you mean 'sharpness'?)",
+        ),
+        (["rewards.0.name=nope"], "Known rewards: aesthetic, clipscore, color_match, geneval"),
+        (
+            ["rewards.0.options={qualty: 3}"],
+            "rewards.0.options.qualty: 'jpeg_compressibility' has no such option (did you mean 'quality'?)",
+        ),
+        (["rewards.1.options={x: 3}"], "'sharpness' has no such option; it accepts none"),
+        (["strategy.name=marbel"], "strategy.name: unknown strategy 'marbel' (did you mean 'marble'?)"),
+        (["strategy.name=marbel"], "strategies: marble, weighted_sum, sequential, single, or a weighting"),
+        (
+            ["strategy.name=min_norm", "strategy.options={normalise: l2}"],
+            "strategy.options: weighting 'min_norm'",
+        ),
+    ],
+)
+def test_reward_and_strategy_names_are_checked_when_the_trainer_is_built(overrides, message):
+    config = load_config(
+        None, ["rewards.0.name=jpeg_compressibility", "rewards.1.name=sharpness", *overrides]
+    )
+    with pytest.raises(ConfigError) as info:
+        check_config(config)
+    assert message in str(info.value)
 
 
 # ---- resuming: what a checkpoint must be, and what a resume may change (issue 21) ----------------
