@@ -9,6 +9,19 @@
 ``backward`` writes ``.grad``; ``step`` keeps its standard meaning and calls the wrapped
 optimizer. ``param_groups``, ``state`` and ``defaults`` are the wrapped optimizer's own, so LR
 schedulers, ``GradScaler``, gradient clipping and checkpointing work unchanged.
+
+A step is a *window*: ``zero_grad`` (or the last ``step``) opens it with a copy of mogo's state,
+each ``backward`` runs the stages below, and ``step`` closes it.
+
+1. ``_finite_losses``: the losses and ``shared`` finite, agreed across ranks, or the policy acts;
+2. ``_objective_grads``: the per-objective gradients, reduced across ranks by the layout;
+3. ``_harmonize``: the Gram matrix, the weights, ``sum_k w_k g_k`` into ``.grad``;
+4. ``harmonize`` (called by ``step``): the window's last reduction and one finiteness decision
+   on the whole ``.grad``.
+
+Between harmonizations, ``_backward_weighted`` replaces 2 and 3 by one backward of
+``sum_k w_k L_k + shared``. ``_nonfinite`` is the one policy all checks share; a skipped step
+restores the window's copy of mogo's state.
 """
 
 from __future__ import annotations

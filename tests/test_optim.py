@@ -334,6 +334,15 @@ def test_auto_falls_back_to_sequential_with_a_warning_naming_the_failure():
     torch.testing.assert_close(grads[0], torch.tensor([[3.0, 12.0], [3.0, -12.0]]))
 
 
+@pytest.mark.parametrize("mode", ["batched", "sequential"])
+def test_objective_grads_gives_none_to_unused_parameters_unless_materialized(mode):
+    used, unused = torch.ones(2, requires_grad=True), torch.ones(3, requires_grad=True)
+    losses = torch.stack([used.sum(), 2 * used.sum()])
+    grads, _ = mogo.objective_grads(losses, [used, unused], mode=mode, materialize_grads=False)
+    assert grads[1] is None
+    assert torch.equal(grads[0], torch.tensor([[1.0, 1.0], [2.0, 2.0]]))
+
+
 def test_objective_grads_gives_zeros_to_unused_parameters_and_checks_its_input():
     used, unused = torch.ones(2, requires_grad=True), torch.ones(3, requires_grad=True)
     grads, _ = mogo.objective_grads(torch.stack([used.sum(), 2 * used.sum()]), [used, unused])
@@ -640,6 +649,7 @@ def test_a_nan_in_the_shared_loss_or_any_gradient_never_reaches_the_parameters(
     if policy == "raise":
         with pytest.raises(FloatingPointError, match="non-finite"):
             faulty_step()
+        opt.step()  # a caller who goes on past the error does not update either
     else:
         faulty_step()
     assert_untouched(model, opt, before)
@@ -792,3 +802,15 @@ def test_a_shared_loss_that_is_not_a_scalar_tensor_raises_a_clear_error(shared):
     error = ValueError if isinstance(shared, torch.Tensor) else TypeError
     with pytest.raises(error, match="shared must be a scalar tensor"):
         opt.backward(regression_losses(model, 0), shared=shared)
+
+
+def test_finite_float16_gradients_whose_sum_overflows_are_not_taken_for_non_finite():
+    w = torch.nn.Parameter(torch.zeros(256, dtype=torch.float16))
+    opt = mogo.HarmonizedOptimizer(torch.optim.SGD([w], lr=1e-6), 2, harmonize_every=2)
+    for _ in range(2):  # a harmonization step, then an amortized one
+        opt.zero_grad()
+        opt.backward(torch.stack([(w * 1000).sum(), (w * 500).sum()]).float())
+        assert float(w.grad.float().sum()) > torch.finfo(torch.float16).max  # its float16 sum is inf
+        opt.step()
+    assert opt.amortizer.step == 2
+    assert bool(torch.isfinite(w).all())
