@@ -83,8 +83,9 @@ class _Layout:
 
     A step meets its layout at these points, in order:
 
-    * :meth:`agree`, in the finiteness check of every ``backward`` and of the step's gradient:
-      each rank's flags become the flags of all ranks (a NaN anywhere is a NaN everywhere);
+    * :meth:`agree` and :meth:`all_ranks`, in the finiteness checks of every ``backward`` and of
+      the step's gradient: each rank's flags become those of all ranks (a NaN anywhere is a NaN
+      everywhere);
     * :meth:`expect`, before a forward: whether its backward harmonizes (a DDP reducer pauses)
       or is an ordinary backward; :meth:`reducer_waits` tells a skipped micro-batch whether it
       must still run one;
@@ -99,6 +100,10 @@ class _Layout:
     def agree(self, finite: Tensor) -> Tensor:
         """``(n,)`` bool: True where the flag is True on every rank."""
         return finite
+
+    def all_ranks(self, flag: bool) -> bool:
+        """Whether ``flag`` holds on every rank."""
+        return flag
 
     def expect(self, harmonizing: bool) -> None:
         """Called before a forward, knowing whether its backward harmonizes."""
@@ -144,6 +149,9 @@ class _Collective(_Layout):
 
     def agree(self, finite: Tensor) -> Tensor:
         return self._all_reduce(finite.to(torch.int32), dist.ReduceOp.MIN).bool()
+
+    def all_ranks(self, flag: bool) -> bool:
+        return bool(self.agree(torch.tensor([flag])))
 
 
 class DataParallel(_Collective):

@@ -27,6 +27,7 @@ restores the window's copy of mogo's state.
 from __future__ import annotations
 
 import copy
+import math
 from collections import OrderedDict
 from collections.abc import Callable, Iterable, Sequence
 from contextlib import AbstractContextManager, nullcontext
@@ -369,17 +370,18 @@ class HarmonizedOptimizer(torch.optim.Optimizer):
 
     def _finite_gradients(self) -> None:
         """The step's one decision on its gradient: every ``.grad`` (the shared loss's and every
-        micro-batch's included) finite on every rank, or the policy acts. A sum of each
-        gradient is finite exactly when its entries are, but for a sum that overflows: only then
-        are the entries themselves looked at."""
+        micro-batch's included) finite on every rank, or the policy acts. The sum of all entries
+        is finite exactly when they are, but for a sum that overflows: only then are the
+        entries themselves looked at."""
         grads = [(i, local_tensor(p.grad)) for i, p in enumerate(self._trainable()) if p.grad is not None]
         if not grads:
             return
         device = grads[0][1].device
-        finite = bool(torch.isfinite(torch.stack([g.sum().to(device) for _, g in grads])).all())
-        bad = [] if finite else [i for i, g in grads if not bool(torch.isfinite(g).all())]
-        agreed = self._layout.agree(torch.tensor([not bad]))
-        if bool(agreed.all()):
+        total = torch.stack([g.sum().to(device) for _, g in grads]).sum()
+        bad = (
+            [] if math.isfinite(float(total)) else [i for i, g in grads if not bool(torch.isfinite(g).all())]
+        )
+        if self._layout.all_ranks(not bad):
             return
         where = [f"parameter {i}" for i in bad] if bad else ["another rank's parameters"]
         self._nonfinite(torch.zeros(len(where), dtype=torch.bool), where, "gradient in")
