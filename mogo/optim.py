@@ -374,14 +374,12 @@ class HarmonizedOptimizer(torch.optim.Optimizer):
         is finite exactly when they are, but for a sum that overflows: only then are the
         entries themselves looked at."""
         grads = [(i, local_tensor(p.grad)) for i, p in enumerate(self._trainable()) if p.grad is not None]
-        if not grads:
-            return
-        device = grads[0][1].device
-        total = torch.stack([g.sum().to(device) for _, g in grads]).sum()
-        bad = (
-            [] if math.isfinite(float(total)) else [i for i, g in grads if not bool(torch.isfinite(g).all())]
-        )
-        if self._layout.all_ranks(not bad):
+        bad = []
+        if grads:
+            device = grads[0][1].device
+            if not math.isfinite(float(torch.stack([g.sum().to(device) for _, g in grads]).sum())):
+                bad = [i for i, g in grads if not bool(torch.isfinite(g).all())]
+        if self._layout.all_ranks(not bad):  # every rank takes part, with gradients or without
             return
         where = [f"parameter {i}" for i in bad] if bad else ["another rank's parameters"]
         self._nonfinite(torch.zeros(len(where), dtype=torch.bool), where, "gradient in")

@@ -814,3 +814,20 @@ def test_finite_float16_gradients_whose_sum_overflows_are_not_taken_for_non_fini
         opt.step()
     assert opt.amortizer.step == 2
     assert bool(torch.isfinite(w).all())
+
+
+def test_under_a_grad_scaler_harmonize_first_and_an_overflow_leaves_mogos_state_as_it_was():
+    model, opt = adam_factory(harmonize_every=2)()
+    opt.nonfinite = "skip"
+    run(None, 2, start=(model, opt))  # the next step harmonizes
+    scaler = torch.amp.GradScaler("cpu", init_scale=2.0**8)
+    before = snapshot(model, opt)
+    opt.zero_grad()
+    opt.backward(scaler.scale(regression_losses(model, 3)))  # harmonizes
+    assert opt.meter.steps == before["state"]["mogo"]["meter"]["steps"] + 1
+    opt.backward(scaler.scale(regression_losses(model, 4) + sqrt_at_zero(model[0].weight)))
+    opt.harmonize()  # finds the NaN before the scaler does, which then skips step()
+    scaler.step(opt)
+    scaler.update()
+    assert_untouched(model, opt, before)
+    assert scaler.get_scale() < 2.0**8
