@@ -95,8 +95,6 @@ class _Layout:
       made the same on every rank.
     """
 
-    world_size = 1
-
     def agree(self, finite: Tensor) -> Tensor:
         """``(n,)`` bool: True where the flag is True on every rank."""
         return finite

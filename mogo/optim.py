@@ -205,10 +205,10 @@ class HarmonizedOptimizer(torch.optim.Optimizer):
         if active is None:
             self._release_reducer(losses)
             return self._skip()
-        if window.weights is not None or not self.amortizer.due:
+        if window.weights is not None or not self.amortizer.due:  # weights known: the short path
             return self._backward_weighted(losses, shared, active)
         grads = self._objective_grads(losses, shared, active)
-        if shared is not None:
+        if shared is not None:  # its row goes into .grad as it is; the others are weighted
             self._add_to_grads([None if g is None else g[-1] for g in grads])
             grads = [None if g is None else g[:-1] for g in grads]
         if self.accumulation == "window":
@@ -413,7 +413,7 @@ class HarmonizedOptimizer(torch.optim.Optimizer):
         GradScaler finds the overflow and lowers its scale as it does for any optimizer."""
         window = self._window
         window.skipped, window.weights, window.buffers, window.buffered_losses = True, None, None, None
-        self.last_report = window.restore(self.amortizer, self.meter)
+        window.restore(self)
         if mark_gradients:
             for p in self._trainable():
                 p.grad = torch.full_like(p, float("nan"))
@@ -445,7 +445,7 @@ class HarmonizedOptimizer(torch.optim.Optimizer):
     def _begin_window(self) -> None:
         """Open the window of the next optimizer step: remember mogo's state (a skipped step
         returns to it) and tell the layout whether the window's first forward harmonizes."""
-        self._window = _Window(self.amortizer, self.meter, self.last_report)
+        self._window = _Window(self)
         self._layout.expect(harmonizing=self.amortizer.due)
 
     def zero_grad(self, set_to_none: bool = True) -> None:
@@ -592,8 +592,13 @@ class _Window:
     """What the micro-batches of one optimizer step share, from ``zero_grad`` (or the last
     ``step``) to ``step``; it begins with a copy of mogo's state, for a skipped step to return to."""
 
-    def __init__(self, amortizer: AmortizedWeights, meter: ConflictMeter, report: ConflictReport | None):
-        self._saved = (copy.copy(vars(amortizer)), copy.copy(vars(meter)), report)
+    def __init__(self, optimizer: HarmonizedOptimizer) -> None:
+        self._saved = (
+            copy.copy(vars(optimizer.amortizer)),
+            copy.copy(vars(optimizer.meter)),
+            optimizer.last_report,
+            optimizer.grad_mode,
+        )
         self.weights: Tensor | None = None  # (K,) loss weights solved on this window's first micro-batch
         self.skipped = False  # a non-finite value skipped the step
         self.local = False  # an ordinary backward left rank-local gradients, for the layout to finish
@@ -601,14 +606,14 @@ class _Window:
         self.buffers: list[Tensor | None] | None = None  # summed K gradients (accumulation="window")
         self.buffered_losses: Tensor | None = None
 
-    def restore(self, amortizer: AmortizedWeights, meter: ConflictMeter) -> ConflictReport | None:
-        """Put ``amortizer`` and ``meter`` back as they were when the window opened (their
-        tensors are replaced, never changed in place); returns the report of that time."""
-        saved_amortizer, saved_meter, report = self._saved
-        vars(amortizer).clear()
-        vars(amortizer).update(saved_amortizer)
-        vars(meter).update(saved_meter)
-        return report
+    def restore(self, optimizer: HarmonizedOptimizer) -> None:
+        """Put mogo's state back as it was when the window opened: the amortizer's schedule and
+        cache (its tensors are replaced, never changed in place), the meter, ``last_report`` and
+        ``grad_mode`` (an ``"auto"`` fallback is found again, on the next harmonization)."""
+        amortizer, meter, optimizer.last_report, optimizer.grad_mode = self._saved
+        vars(optimizer.amortizer).clear()
+        vars(optimizer.amortizer).update(amortizer)
+        vars(optimizer.meter).update(meter)
 
 
 _ONE_PROCESS = _Layout()

@@ -831,3 +831,35 @@ def test_under_a_grad_scaler_harmonize_first_and_an_overflow_leaves_mogos_state_
     scaler.update()
     assert_untouched(model, opt, before)
     assert scaler.get_scale() < 2.0**8
+
+
+@given(
+    st.integers(0, 10_000),
+    st.integers(1, 3),
+    st.integers(0, 3),
+    st.integers(1, 4),
+    st.sampled_from(list(FAULTS)),
+    st.sampled_from(["first", "window"]),
+    st.data(),
+)
+def test_any_skipped_step_returns_to_the_state_before_it(
+    seed, every, steps_before, micro, fault, accumulation, data
+):
+    """Whatever the schedule, the number of micro-batches and which of them is faulty, a skipped
+    step leaves parameters, inner state and mogo's state as they were, and the run goes on."""
+    model = mlp(seed % 7)
+    opt = mogo.HarmonizedOptimizer(
+        torch.optim.Adam(model.parameters(), lr=1e-2), ["a", "b", "c"],
+        harmonize_every=every, alpha_ema=0.5, nonfinite="skip", accumulation=accumulation,
+    )  # fmt: skip
+    run(None, steps_before, seed=seed, start=(model, opt))
+    before = snapshot(model, opt)
+    faulty = data.draw(st.integers(0, micro - 1), label="faulty micro-batch")
+    opt.zero_grad()
+    for index in range(micro):
+        losses = regression_losses(model, seed + 10 + index)
+        opt.backward(*FAULTS[fault](model, losses)) if index == faulty else opt.backward(losses)
+    opt.step()
+    assert_untouched(model, opt, before)
+    run(None, 1, seed=seed, start=(model, opt))
+    assert opt.amortizer.step == steps_before + 1
