@@ -54,30 +54,6 @@ def _cache_problem(value: Any, shape: tuple[int, ...], nonzero: bool) -> str | N
     return None
 
 
-def state_problems(state: Any, objectives: int | None = None) -> list[str]:
-    """Everything wrong with an :meth:`AmortizedWeights.state_dict`, as ``"field: problem"``
-    strings (empty: it loads). ``objectives``: the K that alpha and the divisors must have
-    (default: alpha's own length). Alpha may be any finite vector (weightings other than
-    MinNorm need not stay on the simplex); the divisors must be finite and non-zero."""
-    if not isinstance(state, dict):
-        return [f"must be a dict, got {type(state).__name__}"]
-    problems = [f"{field}: missing" for field in _FIELDS if field not in state]
-    problems += [f"{field}: unexpected" for field in sorted(map(str, set(state) - set(_FIELDS)))]
-    schedule = _schedule_problems(state.get("harmonize_every", 1), state.get("alpha_ema", 0.0))
-    problems += [f"{field}: {problem}" for field, problem in schedule.items()]
-    if not (_is_integer(state.get("step", 0)) and state.get("step", 0) >= 0):
-        problems.append(f"step: must be a non-negative integer, got {state['step']!r}")
-    alpha = state.get("alpha")
-    if any(state.get(name) is not None for name in ("alpha", "divisor", "scale")):
-        if objectives is None:
-            objectives = alpha.shape[0] if isinstance(alpha, Tensor) and alpha.ndim == 1 else 0
-        for name, shape, nonzero in (("alpha", (objectives,), False), ("divisor", (objectives,), True),
-                                     ("scale", (), False)):  # fmt: skip
-            problem = _cache_problem(state.get(name), shape, nonzero)
-            problems += [] if problem is None else [f"{name}: {problem}"]
-    return problems
-
-
 class AmortizedWeights:
     """The schedule and cache of amortized harmonization.
 
@@ -127,10 +103,34 @@ class AmortizedWeights:
             "scale": self.scale,
         }
 
+    @staticmethod
+    def state_problems(state: Any, objectives: int | None = None) -> list[str]:
+        """Everything wrong with a :meth:`state_dict`, as ``"field: problem"`` strings (empty:
+        it loads). ``objectives``: the K that alpha and the divisors must have (default:
+        alpha's own length). Alpha may be any finite vector (weightings other than
+        MinNorm need not stay on the simplex); the divisors must be finite and non-zero."""
+        if not isinstance(state, dict):
+            return [f"must be a dict, got {type(state).__name__}"]
+        problems = [f"{field}: missing" for field in _FIELDS if field not in state]
+        problems += [f"{field}: unexpected" for field in sorted(map(str, set(state) - set(_FIELDS)))]
+        schedule = _schedule_problems(state.get("harmonize_every", 1), state.get("alpha_ema", 0.0))
+        problems += [f"{field}: {problem}" for field, problem in schedule.items()]
+        if not (_is_integer(state.get("step", 0)) and state.get("step", 0) >= 0):
+            problems.append(f"step: must be a non-negative integer, got {state['step']!r}")
+        alpha = state.get("alpha")
+        if any(state.get(name) is not None for name in ("alpha", "divisor", "scale")):
+            if objectives is None:
+                objectives = alpha.shape[0] if isinstance(alpha, Tensor) and alpha.ndim == 1 else 0
+            for name, shape, nonzero in (("alpha", (objectives,), False), ("divisor", (objectives,), True),
+                                         ("scale", (), False)):  # fmt: skip
+                problem = _cache_problem(state.get(name), shape, nonzero)
+                problems += [] if problem is None else [f"{name}: {problem}"]
+        return problems
+
     def load_state_dict(self, state: dict[str, Any]) -> None:
         """Restore a :meth:`state_dict`; a bad one raises ``ValueError`` naming every bad field,
         before anything changes."""
-        problems = state_problems(state)
+        problems = self.state_problems(state)
         if problems:
             raise ValueError(f"invalid amortization state: {'; '.join(problems)}")
         self.harmonize_every = int(state["harmonize_every"])

@@ -39,7 +39,6 @@ from torch import Tensor
 from torch.autograd.profiler import record_function
 
 from mogo.amortize import AmortizedWeights
-from mogo.amortize import state_problems as amortizer_problems
 from mogo.diagnostics import ConflictMeter, ConflictReport
 from mogo.distributed import DataParallel, ShardedParameters, _Layout, as_parameter_grad, local_tensor
 from mogo.gram import host_float64
@@ -527,7 +526,7 @@ class HarmonizedOptimizer(torch.optim.Optimizer):
             )
         problems += [
             f"mogo.amortizer.{problem}"
-            for problem in amortizer_problems(mine.get("amortizer", {}), len(self.objectives))
+            for problem in AmortizedWeights.state_problems(mine.get("amortizer", {}), len(self.objectives))
         ]
         problems += [
             f"mogo.meter.{problem}" for problem in ConflictMeter.state_problems(mine.get("meter", {}))
