@@ -514,23 +514,21 @@ class HarmonizedOptimizer(torch.optim.Optimizer):
         fields = ("objectives", "amortizer", "grad_mode", "meter")
         problems += [f"mogo.{field}: missing" for field in fields if field not in mine]
         problems += [f"mogo.{field}: unexpected" for field in sorted(map(str, set(mine) - set(fields)))]
-        objectives = mine.get("objectives")
-        if isinstance(objectives, list | tuple) and tuple(objectives) != self.objectives:
+        objectives = mine.get("objectives", list(self.objectives))
+        if not isinstance(objectives, list | tuple) or tuple(objectives) != self.objectives:
             problems.append(
-                f"mogo.objectives: state_dict is for objectives {list(objectives)}, "
+                f"mogo.objectives: state_dict is for objectives {objectives!r}, "
                 f"this optimizer has {list(self.objectives)}"
             )
         if mine.get("grad_mode", "auto") not in ("auto", "batched", "sequential"):
             problems.append(
                 f"mogo.grad_mode: must be 'auto', 'batched' or 'sequential', got {mine['grad_mode']!r}"
             )
-        problems += [
-            f"mogo.amortizer.{problem}"
-            for problem in AmortizedWeights.state_problems(mine.get("amortizer", {}), len(self.objectives))
-        ]
-        problems += [
-            f"mogo.meter.{problem}" for problem in ConflictMeter.state_problems(mine.get("meter", {}))
-        ]
+        if "amortizer" in mine:
+            amortizer = AmortizedWeights.state_problems(mine["amortizer"], len(self.objectives))
+            problems += [f"mogo.amortizer.{problem}" for problem in amortizer]
+        if "meter" in mine:
+            problems += [f"mogo.meter.{problem}" for problem in ConflictMeter.state_problems(mine["meter"])]
         return problems
 
     def __getstate__(self) -> dict[str, Any]:

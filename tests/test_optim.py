@@ -746,6 +746,8 @@ BAD_STATES = {  # name -> (change to a saved state_dict, a field the error must 
     "more conflicts than steps": (lambda s: s["mogo"]["meter"].update(conflicts=99), "conflicts"),
     "inner without param_groups": (lambda s: s["inner"].pop("param_groups"), "inner"),
     "mogo not a dict": (lambda s: s.update(mogo=[1, 2]), "mogo"),
+    "objectives as a string": (lambda s: s["mogo"].update(objectives="abc"), "mogo.objectives"),
+    "meter missing": (lambda s: s["mogo"].pop("meter"), "mogo.meter: missing"),
 }
 
 
