@@ -31,6 +31,7 @@ import math
 from collections import OrderedDict
 from collections.abc import Callable, Iterable, Sequence
 from contextlib import AbstractContextManager, nullcontext
+from numbers import Integral
 from typing import Any, Literal
 
 import numpy as np
@@ -548,18 +549,13 @@ class HarmonizedOptimizer(torch.optim.Optimizer):
 
 
 def _objective_names(objectives: Any) -> tuple[str, ...]:
-    """The objectives' names, from K or from distinct strings."""
-    if (
-        isinstance(objectives, bool)
-        or not isinstance(objectives, int | Sequence)
-        or isinstance(objectives, str)
-    ):
+    """The objectives' names, from K or from distinct strings (a string itself is no list of names)."""
+    if isinstance(objectives, Integral) and not isinstance(objectives, bool):
+        names = tuple(f"objective_{k}" for k in range(int(objectives)))
+    elif isinstance(objectives, Iterable) and not isinstance(objectives, str | bytes):
+        names = tuple(objectives)
+    else:
         raise TypeError(f"objectives must be a count or a sequence of names, got {objectives!r}")
-    names = (
-        tuple(f"objective_{k}" for k in range(objectives))
-        if isinstance(objectives, int)
-        else tuple(objectives)
-    )
     if not all(isinstance(name, str) for name in names):
         raise TypeError(f"objective names must be strings, got {list(names)!r}")
     if not names or len(set(names)) != len(names):
