@@ -10,6 +10,7 @@ reproduces exactly the direction the weights define.
 
 from __future__ import annotations
 
+from numbers import Integral, Real
 from typing import Any
 
 import torch
@@ -18,6 +19,39 @@ from torch import Tensor
 from mogo.weighting import Weights
 
 __all__ = ["AmortizedWeights"]
+
+_FIELDS = ("harmonize_every", "alpha_ema", "step", "alpha", "divisor", "scale")
+
+
+def _is_integer(value: Any) -> bool:
+    """An int (not a bool), or a float with an integer value."""
+    if isinstance(value, bool) or not isinstance(value, Real):
+        return False
+    return isinstance(value, Integral) or float(value).is_integer()
+
+
+def _schedule_problems(harmonize_every: Any, alpha_ema: Any) -> dict[str, str]:
+    """``{field: problem}`` for a bad ``harmonize_every`` or ``alpha_ema``."""
+    problems = {}
+    if not (_is_integer(harmonize_every) and harmonize_every >= 1):
+        problems["harmonize_every"] = f"harmonize_every must be a positive integer, got {harmonize_every!r}"
+    if isinstance(alpha_ema, bool) or not (isinstance(alpha_ema, Real) and 0.0 <= alpha_ema < 1.0):
+        problems["alpha_ema"] = f"alpha_ema must be in [0, 1), got {alpha_ema!r}"
+    return problems
+
+
+def _cache_problem(value: Any, shape: tuple[int, ...], nonzero: bool) -> str | None:
+    """What is wrong with a cached tensor (alpha, divisor, scale) that should have ``shape``."""
+    if not isinstance(value, Tensor) or not value.is_floating_point() or tuple(value.shape) != shape:
+        got = (
+            f"shape {tuple(value.shape)}, {value.dtype}"
+            if isinstance(value, Tensor)
+            else type(value).__name__
+        )
+        return f"must be a floating tensor of shape {shape}, got {got}"
+    if not bool(torch.isfinite(value).all()) or (nonzero and bool((value == 0).any())):
+        return f"must be finite{' and non-zero' if nonzero else ''}, got {value.tolist()}"
+    return None
 
 
 class AmortizedWeights:
@@ -29,10 +63,9 @@ class AmortizedWeights:
     """
 
     def __init__(self, harmonize_every: int = 1, alpha_ema: float = 0.0) -> None:
-        if int(harmonize_every) != harmonize_every or harmonize_every < 1:
-            raise ValueError(f"harmonize_every must be a positive integer, got {harmonize_every}")
-        if not 0.0 <= alpha_ema < 1.0:
-            raise ValueError(f"alpha_ema must be in [0, 1), got {alpha_ema}")
+        problems = _schedule_problems(harmonize_every, alpha_ema)
+        if problems:
+            raise ValueError("; ".join(problems.values()))
         self.harmonize_every = int(harmonize_every)
         self.alpha_ema = float(alpha_ema)
         self.step = 0
@@ -70,10 +103,36 @@ class AmortizedWeights:
             "scale": self.scale,
         }
 
+    @staticmethod
+    def state_problems(state: Any, objectives: int | None = None) -> list[str]:
+        """Everything wrong with a :meth:`state_dict`, as ``"field: problem"`` strings (empty:
+        it loads). ``objectives``: the K that alpha and the divisors must have (default:
+        alpha's own length). Alpha may be any finite vector (weightings other than
+        MinNorm need not stay on the simplex); the divisors must be finite and non-zero."""
+        if not isinstance(state, dict):
+            return [f"must be a dict, got {type(state).__name__}"]
+        problems = [f"{field}: missing" for field in _FIELDS if field not in state]
+        problems += [f"{field}: unexpected" for field in sorted(map(str, set(state) - set(_FIELDS)))]
+        schedule = _schedule_problems(state.get("harmonize_every", 1), state.get("alpha_ema", 0.0))
+        problems += [f"{field}: {problem}" for field, problem in schedule.items()]
+        if not (_is_integer(state.get("step", 0)) and state.get("step", 0) >= 0):
+            problems.append(f"step: must be a non-negative integer, got {state['step']!r}")
+        alpha = state.get("alpha")
+        if any(state.get(name) is not None for name in ("alpha", "divisor", "scale")):
+            if objectives is None:
+                objectives = alpha.shape[0] if isinstance(alpha, Tensor) and alpha.ndim == 1 else 0
+            for name, shape, nonzero in (("alpha", (objectives,), False), ("divisor", (objectives,), True),
+                                         ("scale", (), False)):  # fmt: skip
+                problem = _cache_problem(state.get(name), shape, nonzero)
+                problems += [] if problem is None else [f"{name}: {problem}"]
+        return problems
+
     def load_state_dict(self, state: dict[str, Any]) -> None:
-        missing = {"harmonize_every", "alpha_ema", "step", "alpha", "divisor", "scale"} - set(state)
-        if missing:
-            raise ValueError(f"amortization state is missing {sorted(missing)}")
+        """Restore a :meth:`state_dict`; a bad one raises ``ValueError`` naming every bad field,
+        before anything changes."""
+        problems = self.state_problems(state)
+        if problems:
+            raise ValueError(f"invalid amortization state: {'; '.join(problems)}")
         self.harmonize_every = int(state["harmonize_every"])
         self.alpha_ema = float(state["alpha_ema"])
         self.step = int(state["step"])

@@ -7,7 +7,9 @@ KKT conditions of the min-norm problem.
 
 from __future__ import annotations
 
-from dataclasses import dataclass
+from dataclasses import dataclass, fields
+from numbers import Integral, Real
+from typing import Any
 
 import numpy as np
 import torch
@@ -128,3 +130,25 @@ class ConflictMeter:
     def conflict_rate(self) -> float:
         """Fraction of harmonization steps whose weighted-sum direction opposed an objective."""
         return self.conflicts / self.steps if self.steps else 0.0
+
+    @staticmethod
+    def state_problems(state: Any) -> list[str]:
+        """Everything wrong with a meter's state (``dict(vars(meter))``), as ``"field: problem"``
+        strings (empty: ``ConflictMeter(**state)`` restores it)."""
+        if not isinstance(state, dict):
+            return [f"must be a dict, got {type(state).__name__}"]
+        names = [field.name for field in fields(ConflictMeter)]
+        problems = [f"{name}: missing" for name in names if name not in state]
+        problems += [f"{name}: unexpected" for name in sorted(map(str, set(state) - set(names)))]
+        steps, conflicts = state.get("steps", 0), state.get("conflicts", 0)
+        for name, value in (("steps", steps), ("conflicts", conflicts)):
+            if isinstance(value, bool) or not isinstance(value, Integral) or value < 0:
+                problems.append(f"{name}: must be a non-negative integer, got {value!r}")
+        if not problems and conflicts > steps:
+            problems.append(f"conflicts: {conflicts} is more than the {steps} steps")
+        for name in ("worst_weighted_sum_cosine", "worst_harmonized_cosine"):
+            value = state.get(name, 1.0)
+            # a cosine, up to the round-off of a float64 quotient of Gram entries
+            if isinstance(value, bool) or not isinstance(value, Real) or not abs(value) <= 1 + 1e-12:
+                problems.append(f"{name}: must be a cosine in [-1, 1], got {value!r}")
+        return problems

@@ -16,9 +16,11 @@ different traffic (``P`` parameters, ``K`` objectives, payload bytes of one all-
   network; the update is applied shard-wise. DTensor gradients are reduced over their local
   shards.
 
-Both agree on non-finite losses before acting (one all-reduce of ``K`` flags per ``backward``), so
+Both agree on non-finite values before acting (one all-reduce of ``K + 1`` flags per
+``backward``, for the losses and the shared loss, and of one flag per step, for its gradient), so
 that ``"raise"``, ``"skip"`` and ``"drop"`` take the same branch on every rank and none waits in a
-collective that another rank skipped.
+collective that another rank skipped. The order in which a step meets its layout is in
+``_Layout``'s docstring.
 """
 
 from __future__ import annotations
@@ -56,7 +58,7 @@ def as_parameter_grad(update: Tensor, param: Tensor) -> Tensor:
     return update
 
 
-def _local(tensor: Tensor) -> Tensor:
+def local_tensor(tensor: Tensor) -> Tensor:
     """The local shard of a DTensor; any other tensor as it is."""
     return tensor.to_local() if isinstance(tensor, DTensor) else tensor
 
@@ -71,13 +73,62 @@ def sharded_gramian(stacked_grads: Sequence[Tensor], group: dist.ProcessGroup | 
     Returns:
         ``(K, K)`` float64, the same on every rank.
     """
-    gram = gramian([_local(g) for g in stacked_grads])
+    gram = gramian([local_tensor(g) for g in stacked_grads])
     dist.all_reduce(gram, group=group)
     return gram
 
 
-class _Collective:
-    """What both layouts share: the process group, a byte count, agreement on finite losses."""
+class _Layout:
+    """How a step's gradients become the same on every rank. One process is the trivial layout.
+
+    A step meets its layout at these points, in order:
+
+    * :meth:`agree` and :meth:`all_ranks`, in the finiteness checks of every ``backward`` and of
+      the step's gradient: each rank's flags become those of all ranks (a NaN anywhere is a NaN
+      everywhere);
+    * :meth:`expect`, before a forward: whether its backward harmonizes (a DDP reducer pauses)
+      or is an ordinary backward; :meth:`reducer_waits` tells a skipped micro-batch whether it
+      must still run one;
+    * :meth:`reduce`, then :meth:`gram`, on a harmonizing micro-batch's K gradients: the
+      gradients and the Gram matrix every rank solves on;
+    * :meth:`finish`, at the end of a window with ordinary backwards: their rank-local ``.grad``
+      made the same on every rank.
+    """
+
+    def agree(self, finite: Tensor) -> Tensor:
+        """``(n,)`` bool: True where the flag is True on every rank."""
+        return finite
+
+    def all_ranks(self, flag: bool) -> bool:
+        """Whether ``flag`` holds on every rank."""
+        return flag
+
+    def expect(self, harmonizing: bool) -> None:
+        """Called before a forward, knowing whether its backward harmonizes."""
+
+    def reducer_waits(self) -> bool:
+        """Whether a collective waits for this forward's backward (a DDP reducer)."""
+        return False
+
+    def reduce(
+        self, rows: list[Tensor | None], params: Sequence[Tensor], objectives: int
+    ) -> list[Tensor | None]:
+        """The stacked gradients ``[K, *p.shape]`` of ``K = objectives`` rows (``None``: no loss
+        depends on ``p``) that this layout solves on: a DTensor parameter's as its local shard."""
+        return [None if g is None else local_shards(g, p) for g, p in zip(rows, params, strict=True)]
+
+    def gram(self, rows: Sequence[Tensor], objectives: int) -> Tensor:
+        """``(K, K)`` float64 Gram matrix of ``rows`` (zeros when there are none)."""
+        if not rows:
+            return torch.zeros(objectives, objectives, dtype=torch.float64)
+        return gramian(rows)
+
+    def finish(self, params: Sequence[Tensor]) -> None:
+        """Make the ``.grad`` that ordinary backwards left rank-local the same on every rank."""
+
+
+class _Collective(_Layout):
+    """What both multi-process layouts share: the process group, a byte count, agreement."""
 
     def __init__(self, group: dist.ProcessGroup | None = None) -> None:
         if not dist.is_available() or not dist.is_initialized():
@@ -94,34 +145,11 @@ class _Collective:
         dist.all_reduce(tensor, op=op, group=self.group)
         return tensor
 
-    def agree_finite(self, losses: Tensor) -> Tensor:
-        """``losses`` with NaN wherever any rank's loss is not finite."""
-        flags = torch.isfinite(losses).to(torch.int32)
-        self._all_reduce(flags, dist.ReduceOp.MIN)
-        return torch.where(flags.bool(), losses, torch.full_like(losses, float("nan")))
+    def agree(self, finite: Tensor) -> Tensor:
+        return self._all_reduce(finite.to(torch.int32), dist.ReduceOp.MIN).bool()
 
-    def begin_window(self, harmonizing: bool) -> None:
-        """Called before each optimizer step's first forward, knowing whether it harmonizes."""
-
-    def after_harmonize(self) -> None:
-        """Called once a harmonization wrote ``.grad``, before the window's other micro-batches."""
-
-    def expects_backward(self) -> bool:
-        """Whether a collective waits for this forward's backward (a DDP reducer)."""
-        return False
-
-    def note_local_backward(self) -> None:
-        """An ordinary backward added rank-local gradients to ``.grad``."""
-
-    def finish(self, params: Sequence[Tensor]) -> None:
-        """Called before the wrapped optimizer steps: make ``.grad`` the same on every rank."""
-
-    def reduce_grads(self, rows: list[Tensor]) -> list[Tensor]:
-        """The stacked per-objective gradients this layout solves on."""
-        return rows
-
-    def gram(self, rows: Sequence[Tensor]) -> Tensor:
-        return gramian(rows)
+    def all_ranks(self, flag: bool) -> bool:
+        return bool(self.agree(torch.tensor([flag])))
 
 
 class DataParallel(_Collective):
@@ -150,34 +178,32 @@ class DataParallel(_Collective):
             )
         super().__init__(group if group is not None else getattr(model, "process_group", None))
         self.model = model
-        self._unreduced = False
 
-    def begin_window(self, harmonizing: bool) -> None:
-        self._unreduced = False
+    def expect(self, harmonizing: bool) -> None:
         if self.model is not None:
             self.model.require_backward_grad_sync = not harmonizing
 
-    def after_harmonize(self) -> None:
-        if self.model is not None:
-            self.model.require_backward_grad_sync = True
-
-    def expects_backward(self) -> bool:
+    def reducer_waits(self) -> bool:
         return self.model is not None and bool(self.model.require_backward_grad_sync)
 
-    def note_local_backward(self) -> None:
-        self._unreduced = self.model is None
+    def reduce(
+        self, rows: list[Tensor | None], params: Sequence[Tensor], objectives: int
+    ) -> list[Tensor | None]:
+        """The mean over ranks of the K gradients, by one all-reduce of ``K * P`` elements; a
+        parameter stays ``None`` only where no rank's losses depend on it (as DDP keeps it)."""
+        K = objectives
+        used = torch.tensor([g is not None for g in rows], dtype=params[0].dtype)
+        full = [p.new_zeros(K, *p.shape) if g is None else g for g, p in zip(rows, params, strict=True)]
+        *averaged, used = self._average([*full, used])
+        return [g if bool(u) else None for g, u in zip(averaged, used > 0, strict=True)]
 
     def finish(self, params: Sequence[Tensor]) -> None:
-        if not self._unreduced:
+        if self.model is not None:  # DDP's reducer averaged them in the backward
             return
-        self._unreduced = False
         grads = [p.grad for p in params if p.grad is not None]
         if grads:
             for grad, averaged in zip(grads, self._average(grads), strict=True):
                 grad.copy_(averaged)
-
-    def reduce_grads(self, rows: list[Tensor]) -> list[Tensor]:
-        return self._average(rows)
 
     def _average(self, tensors: Sequence[Tensor]) -> list[Tensor]:
         """The mean over ranks of each tensor, by one all-reduce of their concatenation."""
@@ -199,7 +225,6 @@ class ShardedParameters(_Collective):
         group: the process group over which the parameters are sharded; default the world.
     """
 
-    def gram(self, rows: Sequence[Tensor]) -> Tensor:
-        K = rows[0].shape[0]
-        self.bytes_reduced += K * K * 8
-        return sharded_gramian(rows, self.group)
+    def gram(self, rows: Sequence[Tensor], objectives: int) -> Tensor:
+        gram = super().gram([local_tensor(g) for g in rows], objectives)
+        return self._all_reduce(gram)

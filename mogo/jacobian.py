@@ -32,12 +32,14 @@ def objective_grads(
     mode: GradMode = "auto",
     retain_graph: bool = False,
     out: Sequence[Tensor] | None = None,
-) -> tuple[list[Tensor], GradMode]:
+    materialize_grads: bool = True,
+) -> tuple[list[Tensor | None], GradMode]:
     """Stacked gradients of K losses with respect to each parameter.
 
     Args:
         losses: ``(K,)`` losses sharing one autograd graph.
-        params: tensors that require grad; parameters no loss depends on get zeros.
+        params: tensors that require grad; parameters no loss depends on get zeros, or ``None``
+            with ``materialize_grads=False`` (as in ``torch.autograd.grad``).
         mode: ``"auto"``, ``"batched"`` or ``"sequential"`` (see the module docstring).
         retain_graph: keep the graph for a later backward pass.
         out: buffers for the sequential gradients, one ``[K, *p.shape]`` per parameter. Each
@@ -45,6 +47,7 @@ def objective_grads(
             row is alive at a time; reusing buffers across steps also spares the allocator fresh
             pages (on the CPU, first-touch page faults cost 20-30% of a step). The batched mode
             returns autograd's own stacked tensors.
+        materialize_grads: zeros (True) or ``None`` (False) for parameters no loss depends on.
 
     Returns:
         The gradients, one ``[K, *p.shape]`` tensor per parameter, and the mode that produced
@@ -73,7 +76,7 @@ def objective_grads(
                 losses, params, grad_outputs=eye, is_grads_batched=True,
                 retain_graph=retain_graph or mode == "auto", allow_unused=True,
             )  # fmt: skip
-            return _fill_unused(grads, params, K), "batched"
+            return (_fill_unused(grads, params, K) if materialize_grads else list(grads)), "batched"
         except RuntimeError as error:
             if mode == "batched":
                 raise
@@ -85,11 +88,15 @@ def objective_grads(
             )
             mode = "sequential"
     grads = _buffers(out, params, K, losses)
+    used = [False] * len(params)
     for k, loss in enumerate(losses):
         row = torch.autograd.grad(loss, params, retain_graph=retain_graph or k < K - 1, allow_unused=True)
-        for buffer, grad in zip(grads, row, strict=True):
+        for i, (buffer, grad) in enumerate(zip(grads, row, strict=True)):
             buffer[k].zero_() if grad is None else buffer[k].copy_(grad)
-    return grads, "sequential"
+            used[i] = used[i] or grad is not None
+    if materialize_grads:
+        return grads, "sequential"
+    return [g if u else None for g, u in zip(grads, used, strict=True)], "sequential"
 
 
 def _buffers(out: Sequence[Tensor] | None, params: Sequence[Tensor], K: int, losses: Tensor) -> list[Tensor]:

@@ -9,25 +9,42 @@
 ``backward`` writes ``.grad``; ``step`` keeps its standard meaning and calls the wrapped
 optimizer. ``param_groups``, ``state`` and ``defaults`` are the wrapped optimizer's own, so LR
 schedulers, ``GradScaler``, gradient clipping and checkpointing work unchanged.
+
+A step is a *window*: ``zero_grad`` (or the last ``step``) opens it with a copy of mogo's state,
+each ``backward`` runs the stages below, and ``step`` closes it.
+
+1. ``_finite_losses``: the losses and ``shared`` finite, agreed across ranks, or the policy acts;
+2. ``_objective_grads``: the per-objective gradients, reduced across ranks by the layout;
+3. ``_harmonize``: the Gram matrix, the weights, ``sum_k w_k g_k`` into ``.grad``;
+4. ``harmonize`` (called by ``step``): the window's last reduction and one finiteness decision
+   on the whole ``.grad``.
+
+Between harmonizations, ``_backward_weighted`` replaces 2 and 3 by one backward of
+``sum_k w_k L_k + shared``. ``_nonfinite`` is the one policy all checks share; a skipped step
+restores the window's copy of mogo's state.
 """
 
 from __future__ import annotations
 
+import copy
+import math
 from collections import OrderedDict
 from collections.abc import Callable, Iterable, Sequence
 from contextlib import AbstractContextManager, nullcontext
+from numbers import Integral
 from typing import Any, Literal
 
+import numpy as np
 import torch
 from torch import Tensor
 from torch.autograd.profiler import record_function
 
 from mogo.amortize import AmortizedWeights
 from mogo.diagnostics import ConflictMeter, ConflictReport
-from mogo.distributed import DataParallel, ShardedParameters, as_parameter_grad, local_shards
-from mogo.gram import gramian
+from mogo.distributed import DataParallel, ShardedParameters, _Layout, as_parameter_grad, local_tensor
+from mogo.gram import host_float64
 from mogo.jacobian import GradMode, objective_grads
-from mogo.weighting import MinNorm, Weighting, Weights
+from mogo.weighting import MinNorm, WeightedSum, Weighting, Weights
 
 __all__ = ["HarmonizedOptimizer", "NonFinitePolicy"]
 
@@ -53,12 +70,16 @@ class HarmonizedOptimizer(torch.optim.Optimizer):
         params: the parameters whose gradients define the Gram matrix (e.g. a shared trunk or
             the LoRA weights); by default every trainable parameter of ``optimizer``.
         grad_mode: per-objective gradients ``"auto"``, ``"batched"`` or ``"sequential"``.
-        nonfinite: what a NaN or Inf loss (or harmonized gradient) does: ``"raise"`` a
-            ``FloatingPointError`` naming the objective, ``"skip"`` the step (parameters and
-            optimizer state stay untouched; ``.grad`` is NaN, which a GradScaler reads as an
-            overflow), or ``"drop"`` the objective for this step. A NaN
-            that reaches the shared graph (autograd multiplies zero gradients by it) makes every
-            gradient non-finite; ``"drop"`` then skips the step.
+        nonfinite: what a NaN or Inf does, in a loss (``shared`` included) or in any gradient on
+            any kind of step: ``"raise"`` a ``FloatingPointError`` naming the objective (or the
+            parameter), ``"skip"`` the step (the parameters, the wrapped optimizer's state and
+            mogo's own state stay bit for bit as they were; ``.grad`` is NaN, which a GradScaler
+            reads as an overflow), or ``"drop"`` the objective for this step. What cannot be
+            dropped skips the step under ``"drop"``: a non-finite shared loss, a NaN that reached
+            the shared graph (autograd multiplies zero gradients by it, so every gradient is
+            NaN), a non-finite gradient found after an amortized backward. Gradients that are
+            all zero are no fault: the step adds zero (as a plain optimizer's would) and
+            ``last_report`` shows zero norms. See ``docs/failures.rst``.
         sum_weights: weights of the weighted-sum baseline in the conflict diagnostics
             (equal weights by default).
         accumulation: with several ``backward`` calls per step, ``"first"`` solves for the
@@ -88,13 +109,7 @@ class HarmonizedOptimizer(torch.optim.Optimizer):
     ) -> None:
         if not isinstance(optimizer, torch.optim.Optimizer):
             raise TypeError(f"optimizer must be a torch.optim.Optimizer, got {type(optimizer).__name__}")
-        names = (
-            tuple(f"objective_{k}" for k in range(objectives))
-            if isinstance(objectives, int)
-            else tuple(objectives)
-        )
-        if not names or len(set(names)) != len(names):
-            raise ValueError(f"objectives must be a positive count or distinct names, got {objectives!r}")
+        names = _objective_names(objectives)
         if nonfinite not in ("raise", "skip", "drop"):
             raise ValueError(f"nonfinite must be 'raise', 'skip' or 'drop', got {nonfinite!r}")
         if grad_mode not in ("auto", "batched", "sequential"):
@@ -103,15 +118,19 @@ class HarmonizedOptimizer(torch.optim.Optimizer):
             raise ValueError(f"accumulation must be 'first' or 'window', got {accumulation!r}")
         if accumulation == "window" and nonfinite == "drop":
             raise ValueError("nonfinite='drop' needs accumulation='first': a window sums every objective")
-        if sum_weights is not None and len(sum_weights) != len(names):
-            raise ValueError(f"sum_weights has {len(sum_weights)} entries for {len(names)} objectives")
+        if weighting is not None and not callable(weighting):
+            raise TypeError(f"weighting must be callable (a mogo.Weighting), got {weighting!r}")
+        if distributed is not None and not isinstance(distributed, DataParallel | ShardedParameters):
+            raise TypeError(
+                f"distributed must be mogo.DataParallel, mogo.ShardedParameters or None, got {distributed!r}"
+            )
         self.optimizer = optimizer
         self.objectives = names
         self.weighting = MinNorm() if weighting is None else weighting
         self.amortizer = AmortizedWeights(harmonize_every, alpha_ema)
         self.grad_mode: GradMode = grad_mode
         self.nonfinite: NonFinitePolicy = nonfinite
-        self.sum_weights = None if sum_weights is None else torch.tensor(sum_weights, dtype=torch.float64)
+        self.sum_weights = None if sum_weights is None else _sum_weights(sum_weights, len(names))
         trainable = {id(p) for p in self._trainable()}
         chosen = self._trainable() if params is None else list(params)
         stray = [i for i, p in enumerate(chosen) if id(p) not in trainable]
@@ -120,13 +139,8 @@ class HarmonizedOptimizer(torch.optim.Optimizer):
         self._harmonized = {id(p) for p in chosen}
         self.last_report: ConflictReport | None = None
         self.meter = ConflictMeter()
-        self._skip_step = False
-        self._dropped = False  # an amortized backward left out a non-finite objective
         self._workspace: list[Tensor] | None = None  # sequential K gradients, reused across steps
-        self._window_weights: Tensor | None = None  # weights solved in this step's window
         self.accumulation = accumulation
-        self._buffers: list[Tensor] | None = None  # the window's summed K gradients ("window")
-        self._buffered_losses: Tensor | None = None
         self.distributed = distributed
         self._begin_window()
         self._optimizer_step_pre_hooks: OrderedDict = OrderedDict()
@@ -165,173 +179,166 @@ class HarmonizedOptimizer(torch.optim.Optimizer):
     def _trainable(self) -> list[Tensor]:
         return [p for group in self.optimizer.param_groups for p in group["params"] if p.requires_grad]
 
+    @property
+    def _layout(self) -> _Layout:
+        return _ONE_PROCESS if self.distributed is None else self.distributed
+
+    # ---- one step: zero_grad, backward per micro-batch, step ---------------------------------
+
     def backward(self, losses: Tensor, shared: Tensor | None = None) -> None:
         """Accumulate the harmonized gradient of ``losses`` (K,) into ``.grad``.
 
         ``shared`` (a scalar, e.g. a KL term) is added with weight 1 and takes no part in the
         weighting. Call once per micro-batch; ``step`` ends the window.
+
+        The stages: the losses' finiteness (agreed across ranks) -> per-objective gradients ->
+        their reduction across ranks -> Gram matrix -> weights -> ``sum_k w_k g_k`` into
+        ``.grad``. Between harmonizations the cached weights make the middle stages one
+        backward of ``sum_k w_k L_k + shared``: autograd combines, the layout reduces.
         """
+        self._check_arguments(losses, shared)
+        window = self._window
+        window.final = False
+        if window.skipped:
+            return self._release_reducer(losses)
+        active = self._finite_losses(losses, shared)
+        if active is None:
+            self._release_reducer(losses)
+            return self._skip()
+        if window.weights is not None or not self.amortizer.due:  # weights known: the short path
+            return self._backward_weighted(losses, shared, active)
+        grads = self._objective_grads(losses, shared, active)
+        if shared is not None:  # its row goes into .grad as it is; the others are weighted
+            self._add_to_grads([None if g is None else g[-1] for g in grads])
+            grads = [None if g is None else g[:-1] for g in grads]
+        if self.accumulation == "window":
+            return self._accumulate(grads, losses.detach())
+        self._harmonize(grads, losses.detach()[active], active)
+
+    def _check_arguments(self, losses: Tensor, shared: Tensor | None) -> None:
         K = len(self.objectives)
         if not isinstance(losses, Tensor) or losses.shape != (K,):
             shape = tuple(losses.shape) if isinstance(losses, Tensor) else type(losses).__name__
             raise ValueError(
                 f"losses must be a tensor of shape ({K},) for objectives {self.objectives}, got {shape}"
             )
+        if shared is not None and not isinstance(shared, Tensor):
+            raise TypeError(f"shared must be a scalar tensor (a loss) or None, got {type(shared).__name__}")
         if shared is not None and shared.numel() != 1:
-            raise ValueError(f"shared must be a scalar loss, got shape {tuple(shared.shape)}")
-        if self._skip_step:
-            self._release_reducer(losses)
-            return
+            raise ValueError(f"shared must be a scalar tensor (a loss), got shape {tuple(shared.shape)}")
+
+    def _finite_losses(self, losses: Tensor, shared: Tensor | None) -> Tensor | None:
+        """Stage 1: the ``(K,)`` mask of objectives this backward keeps (agreed across ranks), or
+        None to skip the step. A non-finite shared loss cannot be dropped: it skips the step."""
         values = (
-            losses.detach() if self.distributed is None else self.distributed.agree_finite(losses.detach())
+            losses.detach() if shared is None else torch.cat([losses.detach(), shared.detach().reshape(1)])
         )
-        active = self._finite_objectives(values, "loss")
-        if active is None:
-            self._release_reducer(losses)
-            self._mark_skipped()
-            return
-        if self.amortizer.due and self.accumulation == "window":
-            self._accumulate(losses, shared)
-        elif self.amortizer.due and self._window_weights is None:
-            self._harmonize(losses, shared, active)
-        else:
-            weights = (
-                self._window_weights if self._window_weights is not None else self.amortizer.loss_weights()
-            )
-            weights = weights.to(device=losses.device, dtype=losses.dtype)
-            complete = bool(active.all())  # else "drop": index, since 0 * NaN is NaN
-            total = weights @ losses if complete else weights[active] @ losses[active]
-            (total if shared is None else total + shared.reshape(())).backward()
-            self._dropped = self._dropped or not complete
-            if self.distributed is not None:
-                self.distributed.note_local_backward()
-
-    def _release_reducer(self, losses: Tensor) -> None:
-        """Run the backward a DDP reducer waits for, contributing nothing, on a skipped step."""
-        if self.distributed is not None and self.distributed.expects_backward():
-            (losses.sum() * 0).backward()
-
-    def _finite_objectives(self, values: Tensor, what: str) -> Tensor | None:
-        """The mask of objectives to keep, or None when the step is skipped; raises on "raise"."""
-        finite = torch.isfinite(values)
-        if bool(finite.all()):
-            return finite
-        bad = [name for name, ok in zip(self.objectives, finite.tolist(), strict=True) if not ok]
-        if self.nonfinite == "raise":
-            raise FloatingPointError(
-                f"non-finite {what} for objective(s) {bad}: {values.tolist()}. "
-                "Pass nonfinite='skip' or 'drop' to HarmonizedOptimizer to continue past such steps."
-            )
-        if self.nonfinite == "skip" or not bool(finite.any()):
+        names = [*self.objectives, "shared"][: values.numel()]
+        finite = self._layout.agree(torch.isfinite(values))
+        keep = self._nonfinite(finite, names, "loss for objective(s)", values)
+        if keep is None or not bool(keep[len(self.objectives) :].all()):
             return None
-        return finite
+        return keep[: len(self.objectives)]
 
-    def _mark_skipped(self) -> None:
-        """Skip this step: ``step`` will not update, and ``.grad`` is NaN, where a GradScaler
-        finds the overflow and lowers its scale as it does for any optimizer."""
-        self._skip_step = True
-        for p in self._trainable():
-            p.grad = torch.full_like(p, float("nan"))
+    def _backward_weighted(self, losses: Tensor, shared: Tensor | None, active: Tensor) -> None:
+        """The short path: one backward of ``sum_k w_k L_k + shared`` with the window's weights
+        (solved on its first micro-batch) or the cached ones; autograd writes ``.grad``, which a
+        DDP reducer averages in the backward and :meth:`harmonize` otherwise."""
+        window = self._window
+        weights = window.weights if window.weights is not None else self.amortizer.loss_weights()
+        weights = weights.to(device=losses.device, dtype=losses.dtype)
+        # "drop": index, since 0 * NaN is NaN
+        total = weights @ losses if bool(active.all()) else weights[active] @ losses[active]
+        (total if shared is None else total + shared.reshape(())).backward()
+        window.local = True
 
-    def _objective_grads(
-        self, losses: Tensor, shared: Tensor | None, active: Tensor, *, reuse: bool = False
-    ) -> list[Tensor]:
-        """Stacked gradients of the active losses (rows) and of ``shared`` (a last row, if given);
-        ``reuse``: in the optimizer's workspace, kept between harmonizations, which the result
-        must not outlive."""
+    def _objective_grads(self, losses: Tensor, shared: Tensor | None, active: Tensor) -> list[Tensor | None]:
+        """Stages 2 and 3: the stacked gradients ``[A (+ 1), *p.shape]`` of the active losses (and
+        of ``shared``, a last row), reduced across ranks; ``None`` for a parameter no loss
+        depends on. Sequential gradients land in a workspace kept between harmonizations
+        (``accumulation="first"``, whose harmonization consumes them at once)."""
         rows = losses[active]
         if shared is not None:
             rows = torch.cat([rows, shared.reshape(1).to(rows.dtype)])
         params = self._trainable()
         out = None
-        if reuse:
+        if self.accumulation == "first":
             shapes = [(rows.shape[0], *p.shape) for p in params]
             if self._workspace is None or [b.shape for b in self._workspace] != shapes:
                 self._workspace = [p.new_empty(shape) for p, shape in zip(params, shapes, strict=True)]
             out = self._workspace
         with _region("mogo.objective_grads"):
-            grads, self.grad_mode = objective_grads(rows, params, mode=self.grad_mode, out=out)
-        if self.distributed is None:
-            return grads
-        return self.distributed.reduce_grads([local_shards(g, p) for g, p in zip(grads, params, strict=True)])
+            grads, self.grad_mode = objective_grads(
+                rows, params, mode=self.grad_mode, out=out, materialize_grads=False
+            )
+        return self._layout.reduce(grads, params, rows.shape[0])
 
-    def _harmonize(self, losses: Tensor, shared: Tensor | None, active: Tensor) -> None:
-        """Harmonize on this micro-batch and write the update (``accumulation="first"``)."""
-        grads = self._objective_grads(losses, shared, active, reuse=True)
-        n = int(active.sum())
-        if shared is not None:
-            self._add_to_grads([g[n] for g in grads])
-        self._apply([g[:n] for g in grads], active, losses.detach()[active])
-        if self.distributed is not None:
-            self.distributed.after_harmonize()
-
-    def _accumulate(self, losses: Tensor, shared: Tensor | None) -> None:
+    def _accumulate(self, grads: list[Tensor | None], losses: Tensor) -> None:
         """Add this micro-batch's K gradients to the window's buffers (``accumulation="window"``)."""
-        K = len(self.objectives)
-        grads = self._objective_grads(losses, shared, torch.ones(K, dtype=torch.bool, device=losses.device))
-        if shared is not None:
-            self._add_to_grads([g[K] for g in grads])
-        if self._buffers is None:
-            self._buffers, self._buffered_losses = [g[:K] for g in grads], losses.detach().clone()
-        else:
-            self._buffers = [b + g[:K] for b, g in zip(self._buffers, grads, strict=True)]
-            self._buffered_losses = self._buffered_losses + losses.detach()
+        window = self._window
+        if window.buffers is None:
+            window.buffers, window.buffered_losses = grads, losses.clone()
+            return
+        window.buffers = [
+            g if b is None else b if g is None else b + g for b, g in zip(window.buffers, grads, strict=True)
+        ]
+        window.buffered_losses = window.buffered_losses + losses
 
-    def _add_to_grads(self, updates: list[Tensor], *, owned: bool = False) -> None:
-        """Add ``updates`` to ``.grad``; ``owned`` updates are fresh tensors ``.grad`` may keep."""
+    def _harmonize(self, grads: list[Tensor | None], losses: Tensor, active: Tensor) -> None:
+        """Stages 4 to 6 on the gradients of the ``A`` active objectives (one ``[A, *p.shape]``
+        or ``None`` per parameter) and their losses ``(A,)``: Gram matrix, weights, and
+        ``sum_k w_k g_k`` added to ``.grad``."""
+        params = self._trainable()
+        with _region("mogo.gramian"):
+            harmonized = [
+                g for g, p in zip(grads, params, strict=True) if g is not None and id(p) in self._harmonized
+            ]
+            gram = self._layout.gram(harmonized, losses.shape[0])
+        host = host_float64(gram)
+        finite = np.isfinite(host.diagonal())  # G_kk = ||g_k||^2 is finite exactly when g_k is
+        if not finite.all():
+            flags = torch.ones(len(self.objectives), dtype=torch.bool)
+            flags[active.cpu()] = torch.from_numpy(finite)
+            if (
+                self._nonfinite(flags, self.objectives, "gradient for objective(s)") is None
+                or not finite.any()
+            ):
+                return self._skip()  # e.g. a NaN that autograd spread into every gradient
+            rows = torch.from_numpy(finite)  # "drop": leave out the objectives with non-finite gradients
+            grads = [None if g is None else g[rows.to(g.device)] for g in grads]
+            gram, losses = gram[rows.to(gram.device)][:, rows.to(gram.device)], losses[rows.to(losses.device)]
+            active, host = active & flags.to(active.device), host[np.ix_(finite, finite)]
+        with _region("mogo.weighting"):
+            zero = not bool((host.diagonal() > 0).any())
+            weights = _zero_weights(gram) if zero else self.weighting(gram, losses.to(torch.float64))
+        with _region("mogo.combine"):
+            loss_weights = weights.loss_weights
+            self._add_to_grads([None if g is None else _combine(loss_weights, g) for g in grads], owned=True)
+        with _region("mogo.report"):
+            names = tuple(name for name, ok in zip(self.objectives, active.tolist(), strict=True) if ok)
+            sum_weights = None if self.sum_weights is None else self.sum_weights[active.cpu()]
+            report = ConflictReport.from_gram(gram, weights, names, sum_weights)
+        self.last_report = report
+        if zero:  # no direction to learn from: a no-op step, reported, and the next batch harmonizes
+            return
+        expanded = self._expand(weights, active)
+        self.amortizer.update(expanded)
+        self.meter.update(report)
+        self._window.weights = expanded.loss_weights
+        self._layout.expect(harmonizing=False)  # the window's other micro-batches are ordinary
+
+    def _add_to_grads(self, updates: list[Tensor | None], *, owned: bool = False) -> None:
+        """Add ``updates`` to ``.grad`` (``None``: no gradient, ``.grad`` stays as it is);
+        ``owned`` updates are fresh tensors ``.grad`` may keep."""
         with torch.no_grad():
             for p, update in zip(self._trainable(), updates, strict=True):
+                if update is None:
+                    continue
                 update = as_parameter_grad(update, p)
                 if p.grad is None:
                     p.grad = update if owned else update.clone()
                 else:
                     p.grad.add_(update)
-
-    def _apply(self, rows: list[Tensor], active: Tensor, losses: Tensor) -> None:
-        """Solve the weighting on the gradients ``rows`` (one ``[A, *p.shape]`` per parameter, for
-        the ``A`` active objectives) and add ``sum_k w_k g_k`` to ``.grad``."""
-        params = self._trainable()
-        harmonized = [g for g, p in zip(rows, params, strict=True) if id(p) in self._harmonized]
-        with _region("mogo.gramian"):
-            gram = gramian(harmonized) if self.distributed is None else self.distributed.gram(harmonized)
-        if not bool(torch.isfinite(gram).all()):
-            finite_rows = torch.isfinite(gram).all(dim=1).cpu()
-            values = torch.zeros(len(self.objectives), dtype=torch.float64)  # NaN marks a bad gradient
-            values[active] = torch.where(finite_rows, 0.0, float("nan")).to(torch.float64)
-            kept = self._finite_objectives(values, "gradient")
-            if kept is None or not bool((kept & active).any()):
-                self._mark_skipped()  # e.g. a NaN that autograd spread into every gradient
-                return
-            keep_rows = kept[active]  # "drop": leave out the objectives with non-finite gradients
-            rows = [g[keep_rows.to(g.device)] for g in rows]
-            gram = gram[keep_rows][:, keep_rows]
-            losses = losses[keep_rows.to(losses.device)]
-            active = active & kept
-        with _region("mogo.weighting"):
-            weights = self.weighting(gram, losses.to(torch.float64))
-            expanded = self._expand(weights, active)
-            self.amortizer.update(expanded)
-        with _region("mogo.combine"):
-            loss_weights = weights.loss_weights
-            self._add_to_grads([_combine(loss_weights, g) for g in rows], owned=True)
-        self._window_weights = expanded.loss_weights
-        with _region("mogo.report"):
-            names = tuple(name for name, ok in zip(self.objectives, active.tolist(), strict=True) if ok)
-            sum_weights = None if self.sum_weights is None else self.sum_weights[active.cpu()]
-            self.last_report = ConflictReport.from_gram(gram, weights, names, sum_weights)
-            self.meter.update(self.last_report)
-
-    def harmonize(self) -> None:
-        """Make ``.grad`` final: with ``accumulation="window"``, solve on the window's summed
-        gradients; under data parallelism without DDP, average ``.grad`` over the ranks. ``step``
-        calls it; call it yourself before clipping or unscaling gradients."""
-        if self._buffers is not None:
-            buffers, losses = self._buffers, self._buffered_losses
-            self._buffers = self._buffered_losses = None
-            active = torch.ones(len(self.objectives), dtype=torch.bool, device=losses.device)
-            self._apply(buffers, active, losses)
-        if self.distributed is not None and not self._skip_step:
-            self.distributed.finish(self._trainable())
 
     def _expand(self, weights: Weights, active: Tensor) -> Weights:
         """Weights over the active objectives, scattered to all K (alpha 0, divisor 1 elsewhere)."""
@@ -341,6 +348,80 @@ class HarmonizedOptimizer(torch.optim.Optimizer):
         mask = active.to(alpha.device)
         alpha[mask], divisor[mask] = weights.alpha, weights.divisor
         return Weights(alpha, divisor, weights.scale, weights.solve)
+
+    def harmonize(self) -> None:
+        """Make ``.grad`` final: with ``accumulation="window"``, solve on the window's summed
+        gradients; under data parallelism without DDP, average ``.grad`` over the ranks; then
+        the step's finiteness decision on every gradient. ``step`` calls it; call it yourself
+        before clipping or unscaling gradients."""
+        window = self._window
+        if window.final:
+            return
+        window.final = True
+        if window.buffers is not None:
+            grads, losses = window.buffers, window.buffered_losses
+            window.buffers = window.buffered_losses = None
+            self._harmonize(grads, losses, torch.ones(len(self.objectives), dtype=torch.bool))
+        if window.skipped:
+            return
+        if window.local:
+            self._layout.finish(self._trainable())
+        self._finite_gradients()
+
+    def _finite_gradients(self) -> None:
+        """The step's one decision on its gradient: every ``.grad`` (the shared loss's and every
+        micro-batch's included) finite on every rank, or the policy acts. The sum of all entries
+        is finite exactly when they are, but for a sum that overflows: only then are the
+        entries themselves looked at."""
+        grads = [(i, local_tensor(p.grad)) for i, p in enumerate(self._trainable()) if p.grad is not None]
+        bad = []
+        if grads:
+            device = grads[0][1].device
+            if not math.isfinite(float(torch.stack([g.sum().to(device) for _, g in grads]).sum())):
+                bad = [i for i, g in grads if not bool(torch.isfinite(g).all())]
+        if self._layout.all_ranks(not bad):  # every rank takes part, with gradients or without
+            return
+        where = [f"parameter {i}" for i in bad] if bad else ["another rank's parameters"]
+        self._nonfinite(torch.zeros(len(where), dtype=torch.bool), where, "gradient in")
+        self._skip()
+
+    def _nonfinite(
+        self, finite: Tensor, names: Sequence[str], what: str, values: Tensor | None = None
+    ) -> Tensor | None:
+        """The one non-finite policy, for losses, per-objective gradients and the step's gradient:
+        the mask of ``finite`` entries (one per name, the same on every rank) to keep, or None
+        when the step is skipped. ``"raise"`` raises ``FloatingPointError`` naming the bad ones,
+        after rolling the window back (``step`` then does not update); ``"drop"`` keeps the
+        finite ones, and skips when none is left."""
+        if bool(finite.all()):
+            return finite
+        bad = [name for name, ok in zip(names, finite.tolist(), strict=True) if not ok]
+        if self.nonfinite == "raise":
+            self._skip(mark_gradients=False)
+            shown = "" if values is None else f": {values.tolist()}"
+            raise FloatingPointError(
+                f"non-finite {what} {bad}{shown}. Pass nonfinite='skip' or "
+                "'drop' to HarmonizedOptimizer to continue past such steps."
+            )
+        if self.nonfinite == "skip" or not bool(finite.any()):
+            return None
+        return finite
+
+    def _skip(self, mark_gradients: bool = True) -> None:
+        """Skip this step: mogo's state goes back to what it was when the window opened, later
+        micro-batches do nothing, ``step`` does not update, and ``.grad`` is NaN, where a
+        GradScaler finds the overflow and lowers its scale as it does for any optimizer."""
+        window = self._window
+        window.skipped, window.weights, window.buffers, window.buffered_losses = True, None, None, None
+        window.restore(self)
+        if mark_gradients:
+            for p in self._trainable():
+                p.grad = torch.full_like(p, float("nan"))
+
+    def _release_reducer(self, losses: Tensor) -> None:
+        """Run the backward a DDP reducer waits for, contributing nothing, on a skipped step."""
+        if self._layout.reducer_waits():
+            (losses.sum() * 0).backward()
 
     def step(self, closure: Callable[[], Tensor] | None = None) -> Tensor | None:
         """Update the parameters with the wrapped optimizer, unless a non-finite step is skipped.
@@ -355,30 +436,24 @@ class HarmonizedOptimizer(torch.optim.Optimizer):
                 losses = closure()
                 self.backward(losses)
         self.harmonize()
-        if self._dropped and not self._skip_step and not self._grads_finite():
-            self._mark_skipped()  # the dropped objective's NaN reached the shared graph
-        skipped, self._skip_step, self._window_weights = self._skip_step, False, None
-        self._dropped = False
-        if not skipped:
+        if not self._window.skipped:
             self.optimizer.step()
             self.amortizer.step += 1
         self._begin_window()
         return losses
 
-    def _grads_finite(self) -> bool:
-        return all(bool(torch.isfinite(p.grad).all()) for p in self._trainable() if p.grad is not None)
-
     def _begin_window(self) -> None:
-        """Tell the distributed layout whether the next step's first forward harmonizes."""
-        if self.distributed is not None:
-            self.distributed.begin_window(self.amortizer.due and self._window_weights is None)
+        """Open the window of the next optimizer step: remember mogo's state (a skipped step
+        returns to it) and tell the layout whether the window's first forward harmonizes."""
+        self._window = _Window(self)
+        self._layout.expect(harmonizing=self.amortizer.due)
 
     def zero_grad(self, set_to_none: bool = True) -> None:
         """Zero the gradients and open a new window (its first ``backward`` may harmonize)."""
         self.optimizer.zero_grad(set_to_none=set_to_none)
-        self._skip_step, self._window_weights, self._dropped = False, None, False
-        self._buffers = self._buffered_losses = None
         self._begin_window()
+
+    # ---- checkpoints ---------------------------------------------------------------------------
 
     def state_dict(self) -> dict[str, Any]:
         """``{"inner": wrapped optimizer's state_dict, "mogo": schedule, weights, statistics}``."""
@@ -400,7 +475,9 @@ class HarmonizedOptimizer(torch.optim.Optimizer):
         return state
 
     def load_state_dict(self, state_dict: dict[str, Any]) -> None:
-        """Restore a :meth:`state_dict`; checks it before changing anything."""
+        """Restore a :meth:`state_dict`. The whole state is checked first: a bad one raises
+        ``ValueError`` naming every bad field, and nothing (the wrapped optimizer included)
+        changes."""
         for hook in self._optimizer_load_state_dict_pre_hooks.values():
             result = hook(self, state_dict)
             if result is not None:
@@ -410,21 +487,50 @@ class HarmonizedOptimizer(torch.optim.Optimizer):
             raise ValueError(
                 f"not a HarmonizedOptimizer state_dict: expected keys ['inner', 'mogo'], got {keys}"
             )
+        problems = self._state_problems(state_dict)
+        if problems:
+            raise ValueError(f"invalid HarmonizedOptimizer state_dict: {'; '.join(problems)}")
         mine = state_dict["mogo"]
-        if tuple(mine.get("objectives", ())) != self.objectives:
-            raise ValueError(
-                f"state_dict is for objectives {mine.get('objectives')}, "
-                f"this optimizer has {list(self.objectives)}"
-            )
         amortizer = AmortizedWeights()
         amortizer.load_state_dict(mine["amortizer"])
-        self.optimizer.load_state_dict(state_dict["inner"])
-        self.amortizer = amortizer
-        self.grad_mode = mine["grad_mode"]
-        self.meter = ConflictMeter(**mine["meter"])
+        self.optimizer.load_state_dict(state_dict["inner"])  # checks the parameter groups first
+        self.amortizer, self.grad_mode, self.meter = (
+            amortizer,
+            mine["grad_mode"],
+            ConflictMeter(**mine["meter"]),
+        )
         self._begin_window()
         for hook in self._optimizer_load_state_dict_post_hooks.values():
             hook(self)
+
+    def _state_problems(self, state_dict: dict[str, Any]) -> list[str]:
+        """Every bad field of a state_dict with keys ``inner`` and ``mogo``, as ``"field: problem"``."""
+        inner, mine = state_dict["inner"], state_dict["mogo"]
+        problems = []
+        if not isinstance(inner, dict) or not {"state", "param_groups"} <= set(inner):
+            got = sorted(map(str, inner)) if isinstance(inner, dict) else type(inner).__name__
+            problems.append(f"inner: not an optimizer state_dict (keys 'state', 'param_groups'), got {got}")
+        if not isinstance(mine, dict):
+            return [*problems, f"mogo: must be a dict, got {type(mine).__name__}"]
+        fields = ("objectives", "amortizer", "grad_mode", "meter")
+        problems += [f"mogo.{field}: missing" for field in fields if field not in mine]
+        problems += [f"mogo.{field}: unexpected" for field in sorted(map(str, set(mine) - set(fields)))]
+        objectives = mine.get("objectives", list(self.objectives))
+        if not isinstance(objectives, list | tuple) or tuple(objectives) != self.objectives:
+            problems.append(
+                f"mogo.objectives: state_dict is for objectives {objectives!r}, "
+                f"this optimizer has {list(self.objectives)}"
+            )
+        if mine.get("grad_mode", "auto") not in ("auto", "batched", "sequential"):
+            problems.append(
+                f"mogo.grad_mode: must be 'auto', 'batched' or 'sequential', got {mine['grad_mode']!r}"
+            )
+        if "amortizer" in mine:
+            amortizer = AmortizedWeights.state_problems(mine["amortizer"], len(self.objectives))
+            problems += [f"mogo.amortizer.{problem}" for problem in amortizer]
+        if "meter" in mine:
+            problems += [f"mogo.meter.{problem}" for problem in ConflictMeter.state_problems(mine["meter"])]
+        return problems
 
     def __getstate__(self) -> dict[str, Any]:
         """Everything but the distributed layout (its process group and module stay behind) and
@@ -440,6 +546,70 @@ class HarmonizedOptimizer(torch.optim.Optimizer):
             f"weighting={self.weighting!r}, harmonize_every={self.amortizer.harmonize_every}, "
             f"alpha_ema={self.amortizer.alpha_ema})"
         )
+
+
+def _objective_names(objectives: Any) -> tuple[str, ...]:
+    """The objectives' names, from K or from distinct strings (a string itself is no list of names)."""
+    if isinstance(objectives, Integral) and not isinstance(objectives, bool):
+        names = tuple(f"objective_{k}" for k in range(int(objectives)))
+    elif isinstance(objectives, Iterable) and not isinstance(objectives, str | bytes):
+        names = tuple(objectives)
+    else:
+        raise TypeError(f"objectives must be a count or a sequence of names, got {objectives!r}")
+    if not all(isinstance(name, str) for name in names):
+        raise TypeError(f"objective names must be strings, got {list(names)!r}")
+    if not names or len(set(names)) != len(names):
+        raise ValueError(f"objectives must be a positive count or distinct names, got {objectives!r}")
+    return names
+
+
+def _sum_weights(sum_weights: Sequence[float], K: int) -> Tensor:
+    """``(K,)`` float64 weights of the diagnostics' weighted-sum baseline, checked as
+    :class:`mogo.WeightedSum` checks its own."""
+    if len(sum_weights) != K:
+        raise ValueError(f"sum_weights has {len(sum_weights)} entries for {K} objectives")
+    try:
+        return WeightedSum(sum_weights).weights
+    except (TypeError, ValueError) as error:
+        raise ValueError(f"sum_weights: {error}") from None
+
+
+def _zero_weights(gram: Tensor) -> Weights:
+    """Weights 0 for ``A`` objectives (``gram``: ``(A, A)``) whose gradients are all zero."""
+    A = gram.shape[0]
+    zeros = torch.zeros(A, dtype=torch.float64, device=gram.device)
+    return Weights(zeros, torch.ones_like(zeros), zeros.new_zeros(()))
+
+
+class _Window:
+    """What the micro-batches of one optimizer step share, from ``zero_grad`` (or the last
+    ``step``) to ``step``; it begins with a copy of mogo's state, for a skipped step to return to."""
+
+    def __init__(self, optimizer: HarmonizedOptimizer) -> None:
+        self._saved = (
+            copy.copy(vars(optimizer.amortizer)),
+            copy.copy(vars(optimizer.meter)),
+            optimizer.last_report,
+            optimizer.grad_mode,
+        )
+        self.weights: Tensor | None = None  # (K,) loss weights solved on this window's first micro-batch
+        self.skipped = False  # a non-finite value skipped the step
+        self.local = False  # an ordinary backward left rank-local gradients, for the layout to finish
+        self.final = False  # harmonize() made .grad final
+        self.buffers: list[Tensor | None] | None = None  # summed K gradients (accumulation="window")
+        self.buffered_losses: Tensor | None = None
+
+    def restore(self, optimizer: HarmonizedOptimizer) -> None:
+        """Put mogo's state back as it was when the window opened: the amortizer's schedule and
+        cache (its tensors are replaced, never changed in place), the meter, ``last_report`` and
+        ``grad_mode`` (an ``"auto"`` fallback is found again, on the next harmonization)."""
+        amortizer, meter, optimizer.last_report, optimizer.grad_mode = self._saved
+        vars(optimizer.amortizer).clear()
+        vars(optimizer.amortizer).update(amortizer)
+        vars(optimizer.meter).update(meter)
+
+
+_ONE_PROCESS = _Layout()
 
 
 # torch's own test of a running profiler (private; where it is missing, every range is recorded)

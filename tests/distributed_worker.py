@@ -46,11 +46,16 @@ def make_optimizer(model, every, distributed=None, nonfinite="raise") -> mogo.Ha
     )
 
 
-def train(model, opt, rank=0, world=1, nan_at=None, spread=False, clip=None) -> dict:
+def sqrt_at_zero(tensor: torch.Tensor) -> torch.Tensor:
+    """A loss of value 0 whose gradient is NaN: d sqrt(u)/du = inf at u = 0, times du/dw = 0."""
+    return torch.sqrt(((tensor - tensor.detach()) ** 2).sum())
+
+
+def train(model, opt, rank=0, world=1, nan_at=None, spread=False, clip=None, nan_gradient=False) -> dict:
     """STEPS steps on this rank's slice of the batch; NaN in objective 1 on the last rank at
-    step ``nan_at`` (``spread``: into the shared graph too); ``clip``: the gradient norm is
-    clipped between ``harmonize`` and ``step``. Returns alpha and parameters after each step,
-    and what raised."""
+    step ``nan_at`` (``spread``: into the shared graph too; ``nan_gradient``: a finite loss
+    whose gradient is NaN); ``clip``: the gradient norm is clipped between ``harmonize`` and
+    ``step``. Returns alpha and parameters after each step, and what raised."""
     alphas, params, raised = [], [], None
     # accelerate's wrapper holds ours as .optimizer
     harmonized = opt if isinstance(opt, mogo.HarmonizedOptimizer) else opt.optimizer
@@ -59,7 +64,9 @@ def train(model, opt, rank=0, world=1, nan_at=None, spread=False, clip=None) -> 
         x, y = x.chunk(world)[rank], y.chunk(world)[rank]
         opt.zero_grad()
         losses = losses_of(model, x, y)
-        if step == nan_at and rank == world - 1:
+        if step == nan_at and rank == world - 1 and nan_gradient:
+            losses = losses + sqrt_at_zero(next(model.parameters())) * torch.tensor([0.0, 1.0, 0.0])
+        elif step == nan_at and rank == world - 1:
             nan = torch.tensor([False, True, False])
             # torch.where keeps the NaN out of the gradients; a product spreads it into all of them
             losses = (
@@ -69,13 +76,13 @@ def train(model, opt, rank=0, world=1, nan_at=None, spread=False, clip=None) -> 
             )
         try:
             harmonized.backward(losses)
+            if clip is not None:
+                harmonized.harmonize()
+                torch.nn.utils.clip_grad_norm_(model.parameters(), clip)
+            opt.step()
         except FloatingPointError as error:
             raised = str(error)
             break
-        if clip is not None:
-            harmonized.harmonize()
-            torch.nn.utils.clip_grad_norm_(model.parameters(), clip)
-        opt.step()
         alphas.append(harmonized.amortizer.alpha.clone())
         params.append(torch.cat([p.detach().reshape(-1) for p in model.parameters()]))
     return {"alphas": alphas, "params": params, "raised": raised}
@@ -113,7 +120,34 @@ def ddp_runs(rank: int, world: int) -> dict:
         model = torch.nn.parallel.DistributedDataParallel(build().double())
         opt = make_optimizer(model, 2, mogo.DataParallel(model), nonfinite="drop")
         results[f"nan_spread_{nan_at}"] = train(model, opt, rank, world, nan_at=nan_at, spread=True)
+    for policy in ("raise", "skip", "drop"):
+        for layout in ("ddp", "unwrapped"):  # step 1 of N=2: between harmonizations
+            model = build().double()
+            model = torch.nn.parallel.DistributedDataParallel(model) if layout == "ddp" else model
+            opt = make_optimizer(model, 2, mogo.DataParallel(model if layout == "ddp" else None), policy)
+            results[f"nan_gradient_{policy}_{layout}"] = train(
+                model, opt, rank, world, nan_at=1, nan_gradient=True
+            )
+    results["unused_parameters"] = unused_parameters(rank, world)
     return results
+
+
+def unused_parameters(rank: int, world: int) -> dict:
+    """Harmonization steps with a parameter no loss uses (``idle``) and one only rank 0's loss
+    uses (``partial``): the averaged gradients keep ``idle`` without one, and give ``partial``
+    the mean over ranks."""
+    model = build().double()
+    idle, partial = (torch.nn.Parameter(torch.ones(3, dtype=torch.float64)) for _ in range(2))
+    inner = torch.optim.SGD([*model.parameters(), idle, partial], lr=0.05)
+    opt = mogo.HarmonizedOptimizer(inner, K, distributed=mogo.DataParallel())
+    x, y = (t.chunk(world)[rank] for t in data(0))
+    opt.zero_grad()
+    losses = losses_of(model, x, y)
+    if rank == 0:
+        losses = losses + torch.stack([(partial**2).sum(), torch.zeros(()), torch.zeros(())])
+    opt.backward(losses)
+    opt.harmonize()
+    return {"idle": idle.grad, "partial": partial.grad, "first": next(model.parameters()).grad.clone()}
 
 
 class _ReduceForward(torch.autograd.Function):

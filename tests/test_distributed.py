@@ -91,6 +91,28 @@ def test_a_nan_that_spread_into_every_gradient_skips_the_step_on_both_ranks(torc
     assert torch.equal(first["params"][nan_at], first["params"][nan_at - 1])
 
 
+@pytest.mark.parametrize("layout", ["ddp", "unwrapped"])
+@pytest.mark.parametrize("policy", ["raise", "skip", "drop"])
+def test_a_nan_gradient_on_one_rank_between_harmonizations_stops_both_ranks(torchrun, policy, layout):
+    first, second = (rank[f"nan_gradient_{policy}_{layout}"] for rank in torchrun)
+    if policy == "raise":
+        for run in (first, second):  # both raise, though only rank 1's loss had a NaN gradient
+            assert "non-finite gradient" in run["raised"]
+            assert len(run["params"]) == 1
+        return
+    same_finite_steps(first, second)
+    assert torch.equal(first["params"][1], first["params"][0])  # skipped on both
+
+
+def test_a_parameter_no_rank_uses_keeps_no_gradient_and_a_partly_used_one_the_mean(torchrun):
+    first, second = (rank["unused_parameters"] for rank in torchrun)
+    assert first["idle"] is None
+    assert second["idle"] is None
+    torch.testing.assert_close(first["partial"], second["partial"], rtol=0, atol=0)
+    assert bool((first["partial"] != 0).all())
+    torch.testing.assert_close(first["first"], second["first"], rtol=0, atol=0)
+
+
 def test_sharded_gramian_equals_the_unsharded_one(torchrun):
     for rank in torchrun:
         torch.testing.assert_close(rank["sharded_gram"], rank["full_gram"], rtol=0, atol=1e-12)

@@ -334,6 +334,15 @@ def test_auto_falls_back_to_sequential_with_a_warning_naming_the_failure():
     torch.testing.assert_close(grads[0], torch.tensor([[3.0, 12.0], [3.0, -12.0]]))
 
 
+@pytest.mark.parametrize("mode", ["batched", "sequential"])
+def test_objective_grads_gives_none_to_unused_parameters_unless_materialized(mode):
+    used, unused = torch.ones(2, requires_grad=True), torch.ones(3, requires_grad=True)
+    losses = torch.stack([used.sum(), 2 * used.sum()])
+    grads, _ = mogo.objective_grads(losses, [used, unused], mode=mode, materialize_grads=False)
+    assert grads[1] is None
+    assert torch.equal(grads[0], torch.tensor([[1.0, 1.0], [2.0, 2.0]]))
+
+
 def test_objective_grads_gives_zeros_to_unused_parameters_and_checks_its_input():
     used, unused = torch.ones(2, requires_grad=True), torch.ones(3, requires_grad=True)
     grads, _ = mogo.objective_grads(torch.stack([used.sum(), 2 * used.sum()]), [used, unused])
@@ -563,3 +572,296 @@ def test_window_accumulation_steps_through_step_and_rejects_drop():
         mogo.HarmonizedOptimizer(
             torch.optim.SGD(model.parameters(), lr=0.1), 3, accumulation="window", nonfinite="drop"
         )
+
+
+# ---- faults: nothing silently wrong (issue 21) -------------------------------------------------
+
+
+def same(a, b) -> bool:
+    """Bit-identical nested states: tensors by ``torch.equal`` (dtype too), the rest by ``==``."""
+    if isinstance(a, torch.Tensor) or isinstance(b, torch.Tensor):
+        return (
+            isinstance(a, torch.Tensor)
+            and isinstance(b, torch.Tensor)
+            and a.dtype == b.dtype
+            and torch.equal(a, b)
+        )
+    if isinstance(a, dict) and isinstance(b, dict):
+        return a.keys() == b.keys() and all(same(a[k], b[k]) for k in a)
+    if isinstance(a, list | tuple) and isinstance(b, list | tuple):
+        return len(a) == len(b) and all(same(x, y) for x, y in zip(a, b, strict=True))
+    return a == b
+
+
+def sqrt_at_zero(tensor: torch.Tensor) -> torch.Tensor:
+    """A loss of value 0 whose gradient is NaN: d sqrt(u)/du = inf at u = 0, times du/dw = 0."""
+    return torch.sqrt(((tensor - tensor.detach()) ** 2).sum())
+
+
+FAULTS = {  # (model, K finite losses) -> (losses, shared) with one fault
+    "nan loss": lambda model, losses: (losses + torch.tensor([0.0, float("nan"), 0.0]), None),
+    "nan shared loss": lambda model, losses: (losses, model[0].weight.sum() * float("nan")),
+    "nan gradient of a finite loss": lambda model, losses: (losses + sqrt_at_zero(model[0].weight), None),
+    "nan gradient of the shared loss": lambda model, losses: (losses, sqrt_at_zero(model[0].weight)),
+}
+
+
+def snapshot(model: torch.nn.Module, opt: mogo.HarmonizedOptimizer) -> dict:
+    return {
+        "params": copy.deepcopy(model.state_dict()),
+        "state": copy.deepcopy(opt.state_dict()),
+        "report": opt.last_report,
+    }
+
+
+def assert_untouched(model: torch.nn.Module, opt: mogo.HarmonizedOptimizer, before: dict) -> None:
+    after = snapshot(model, opt)
+    assert same(after["params"], before["params"])
+    assert all(bool(torch.isfinite(p).all()) for p in model.parameters())
+    assert same(after["state"], before["state"])  # the inner optimizer's and mogo's own
+    assert after["report"] is before["report"]
+
+
+@pytest.mark.parametrize("policy", ["raise", "skip", "drop"])
+@pytest.mark.parametrize("fault", [f for f in FAULTS if f != "nan loss"])
+@pytest.mark.parametrize(
+    ("every", "grad_mode"),
+    [(3, "auto"), (1, "sequential")],
+    ids=["amortized step", "harmonization step, sequential gradients"],
+)
+def test_a_nan_in_the_shared_loss_or_any_gradient_never_reaches_the_parameters(
+    policy, fault, every, grad_mode
+):
+    model = mlp(3)
+    opt = mogo.HarmonizedOptimizer(
+        torch.optim.Adam(model.parameters(), lr=1e-2), ["a", "b", "c"],
+        harmonize_every=every, grad_mode=grad_mode, nonfinite=policy,
+    )  # fmt: skip
+    run(None, 1, start=(model, opt))
+    before = snapshot(model, opt)
+    opt.zero_grad()
+    losses, shared = FAULTS[fault](model, regression_losses(model, 9))
+
+    def faulty_step() -> None:
+        opt.backward(losses, shared=shared)
+        opt.step()
+
+    if policy == "raise":
+        with pytest.raises(FloatingPointError, match="non-finite"):
+            faulty_step()
+        opt.step()  # a caller who goes on past the error does not update either
+    else:
+        faulty_step()
+    assert_untouched(model, opt, before)
+
+
+@pytest.mark.parametrize("fault", list(FAULTS))
+@pytest.mark.parametrize("harmonizing", [True, False], ids=["harmonization window", "amortized window"])
+@pytest.mark.parametrize("accumulation", ["first", "window"])
+def test_a_skipped_step_leaves_mogos_state_bit_identical(fault, harmonizing, accumulation):
+    model = mlp(3)
+    opt = mogo.HarmonizedOptimizer(
+        torch.optim.Adam(model.parameters(), lr=1e-2), ["a", "b", "c"],
+        harmonize_every=2, alpha_ema=0.5, nonfinite="skip", accumulation=accumulation,
+    )  # fmt: skip
+    run(None, 2 if harmonizing else 1, start=(model, opt))
+    before = snapshot(model, opt)
+    opt.zero_grad()
+    opt.backward(regression_losses(model, 5))  # a good micro-batch, then a faulty one
+    opt.backward(*FAULTS[fault](model, regression_losses(model, 6)))
+    opt.step()
+    assert_untouched(model, opt, before)
+    run(None, 1, seed=7, start=(model, opt))  # and the run goes on
+    assert opt.amortizer.step == before["state"]["mogo"]["amortizer"]["step"] + 1
+
+
+@pytest.mark.parametrize("policy", ["raise", "skip", "drop"])
+@pytest.mark.parametrize("zero", ["losses * 0", "constant losses"])
+@pytest.mark.parametrize("accumulation", ["first", "window"])
+def test_all_zero_gradients_take_a_reported_no_op_step_like_a_plain_optimizer(policy, zero, accumulation):
+    if policy == "drop" and accumulation == "window":
+        pytest.skip("drop needs accumulation='first'")
+
+    def zero_losses(model):
+        losses = regression_losses(model, 0)
+        return losses * 0 if zero == "losses * 0" else losses * 0 + torch.tensor([1.0, 2.0, 3.0])
+
+    model, plain_model = mlp(3), mlp(3)
+    opt = mogo.HarmonizedOptimizer(
+        torch.optim.AdamW(model.parameters(), lr=1e-2, weight_decay=0.1), ["a", "b", "c"],
+        nonfinite=policy, accumulation=accumulation,
+    )  # fmt: skip
+    plain = torch.optim.AdamW(plain_model.parameters(), lr=1e-2, weight_decay=0.1)
+    opt.zero_grad()
+    opt.backward(zero_losses(model))
+    opt.step()
+    plain.zero_grad()
+    zero_losses(plain_model).sum().backward()
+    plain.step()
+    for ours, theirs in zip(model.parameters(), plain_model.parameters(), strict=True):
+        assert torch.equal(ours.grad, theirs.grad)
+        assert torch.equal(ours, theirs)
+    report = opt.last_report
+    assert report is not None
+    assert report.names == ("a", "b", "c")
+    assert torch.equal(report.norms, torch.zeros(3, dtype=torch.float64))
+    assert torch.equal(report.loss_weights, torch.zeros(3, dtype=torch.float64))
+    assert report.direction_norm == 0.0
+    assert opt.meter.steps == 0  # no harmonization took place: nothing to count
+    assert opt.amortizer.due  # and the next step harmonizes
+    run(None, 1, start=(model, opt))
+    assert opt.meter.steps == 1
+
+
+@pytest.mark.parametrize("every", [1, 2], ids=["harmonization steps", "amortized steps"])
+@pytest.mark.parametrize("grad_mode", ["batched", "sequential"])
+def test_a_parameter_no_loss_depends_on_keeps_no_gradient(every, grad_mode):
+    model = mlp(3)
+    idle = torch.nn.Parameter(torch.ones(4))
+    inner = torch.optim.AdamW([*model.parameters(), idle], lr=1e-2, weight_decay=0.1)
+    opt = mogo.HarmonizedOptimizer(inner, 3, harmonize_every=every, grad_mode=grad_mode)
+    for step in range(4):
+        opt.zero_grad()
+        opt.backward(regression_losses(model, step), shared=model[0].bias.sum() * 0.01)
+        assert idle.grad is None
+        assert all(p.grad is not None for p in model.parameters())
+        opt.step()
+    assert torch.equal(idle.detach(), torch.ones(4))  # AdamW decays only what has a gradient
+    assert idle not in inner.state
+
+
+BAD_STATES = {  # name -> (change to a saved state_dict, a field the error must name)
+    "extra meter key": (lambda s: s["mogo"]["meter"].update(extra=1), "mogo.meter"),
+    "harmonize_every 0": (lambda s: s["mogo"]["amortizer"].update(harmonize_every=0), "harmonize_every"),
+    "alpha_ema 5": (lambda s: s["mogo"]["amortizer"].update(alpha_ema=5.0), "alpha_ema"),
+    "negative step": (lambda s: s["mogo"]["amortizer"].update(step=-1), "step"),
+    "alpha of 2 objectives": (lambda s: s["mogo"]["amortizer"].update(alpha=torch.ones(2)), "alpha"),
+    "NaN divisor": (
+        lambda s: s["mogo"]["amortizer"].update(divisor=torch.full((3,), float("nan"), dtype=torch.float64)),
+        "divisor",
+    ),
+    "scale missing": (lambda s: s["mogo"]["amortizer"].pop("scale"), "scale"),
+    "unknown grad_mode": (lambda s: s["mogo"].update(grad_mode="fast"), "grad_mode"),
+    "meter steps text": (lambda s: s["mogo"]["meter"].update(steps="3"), "mogo.meter.steps"),
+    "more conflicts than steps": (lambda s: s["mogo"]["meter"].update(conflicts=99), "conflicts"),
+    "inner without param_groups": (lambda s: s["inner"].pop("param_groups"), "inner"),
+    "mogo not a dict": (lambda s: s.update(mogo=[1, 2]), "mogo"),
+    "objectives as a string": (lambda s: s["mogo"].update(objectives="abc"), "mogo.objectives"),
+    "meter missing": (lambda s: s["mogo"].pop("meter"), "mogo.meter: missing"),
+}
+
+
+@pytest.mark.parametrize("bad", list(BAD_STATES))
+def test_load_state_dict_validates_the_whole_state_before_changing_anything(bad):
+    _, opt = run(adam_factory(), 2)
+    _, other = run(adam_factory(), 4, seed=3)
+    saved = copy.deepcopy(other.state_dict())
+    change, field = BAD_STATES[bad]
+    change(saved)
+    before = copy.deepcopy(opt.state_dict())
+    with pytest.raises(ValueError, match=field):
+        opt.load_state_dict(saved)
+    assert same(opt.state_dict(), before)
+
+
+def test_load_state_dict_names_every_bad_field_at_once():
+    _, opt = run(adam_factory(), 2)
+    saved = copy.deepcopy(opt.state_dict())
+    saved["mogo"]["amortizer"].update(harmonize_every=0, alpha_ema=5.0)
+    saved["mogo"]["meter"]["extra"] = 1
+    with pytest.raises(ValueError, match="harmonize_every") as error:
+        opt.load_state_dict(saved)
+    assert "alpha_ema" in str(error.value)
+    assert "extra" in str(error.value)
+
+
+@pytest.mark.parametrize(
+    ("kwargs", "error", "match"),
+    [
+        ({"objectives": "abc"}, TypeError, "objectives must be a count or a sequence of names, got 'abc'"),
+        ({"objectives": [1, 2]}, TypeError, "names must be strings"),
+        ({"objectives": True}, TypeError, "objectives must be a count"),
+        ({"objectives": 2.0}, TypeError, "objectives must be a count"),
+        ({"objectives": 3, "sum_weights": [1, float("nan"), -2]}, ValueError, "sum_weights"),
+        ({"objectives": 2, "sum_weights": [0, 0]}, ValueError, "sum_weights"),
+        ({"objectives": 2, "weighting": "minnorm"}, TypeError, "weighting must be callable"),
+        ({"objectives": 2, "distributed": True}, TypeError, "distributed must be"),
+        (
+            {"objectives": 2, "harmonize_every": None},
+            ValueError,
+            "harmonize_every must be a positive integer",
+        ),
+    ],
+)
+def test_bad_arguments_raise_a_clear_error(kwargs, error, match):
+    with pytest.raises(error, match=match):
+        mogo.HarmonizedOptimizer(torch.optim.SGD(mlp().parameters(), lr=0.1), **kwargs)
+
+
+@pytest.mark.parametrize("shared", [1.0, "kl", torch.ones(2)], ids=["float", "str", "two entries"])
+def test_a_shared_loss_that_is_not_a_scalar_tensor_raises_a_clear_error(shared):
+    model, opt = adam_factory()()
+    error = ValueError if isinstance(shared, torch.Tensor) else TypeError
+    with pytest.raises(error, match="shared must be a scalar tensor"):
+        opt.backward(regression_losses(model, 0), shared=shared)
+
+
+def test_finite_float16_gradients_whose_sum_overflows_are_not_taken_for_non_finite():
+    w = torch.nn.Parameter(torch.zeros(256, dtype=torch.float16))
+    opt = mogo.HarmonizedOptimizer(torch.optim.SGD([w], lr=1e-6), 2, harmonize_every=2)
+    for _ in range(2):  # a harmonization step, then an amortized one
+        opt.zero_grad()
+        opt.backward(torch.stack([(w * 1000).sum(), (w * 500).sum()]).float())
+        assert float(w.grad.float().sum()) > torch.finfo(torch.float16).max  # its float16 sum is inf
+        opt.step()
+    assert opt.amortizer.step == 2
+    assert bool(torch.isfinite(w).all())
+
+
+def test_under_a_grad_scaler_harmonize_first_and_an_overflow_leaves_mogos_state_as_it_was():
+    model, opt = adam_factory(harmonize_every=2)()
+    opt.nonfinite = "skip"
+    run(None, 2, start=(model, opt))  # the next step harmonizes
+    scaler = torch.amp.GradScaler("cpu", init_scale=2.0**8)
+    before = snapshot(model, opt)
+    opt.zero_grad()
+    opt.backward(scaler.scale(regression_losses(model, 3)))  # harmonizes
+    assert opt.meter.steps == before["state"]["mogo"]["meter"]["steps"] + 1
+    opt.backward(scaler.scale(regression_losses(model, 4) + sqrt_at_zero(model[0].weight)))
+    opt.harmonize()  # finds the NaN before the scaler does, which then skips step()
+    scaler.step(opt)
+    scaler.update()
+    assert_untouched(model, opt, before)
+    assert scaler.get_scale() < 2.0**8
+
+
+@given(
+    st.integers(0, 10_000),
+    st.integers(1, 3),
+    st.integers(0, 3),
+    st.integers(1, 4),
+    st.sampled_from(list(FAULTS)),
+    st.sampled_from(["first", "window"]),
+    st.data(),
+)
+def test_any_skipped_step_returns_to_the_state_before_it(
+    seed, every, steps_before, micro, fault, accumulation, data
+):
+    """Whatever the schedule, the number of micro-batches and which of them is faulty, a skipped
+    step leaves parameters, inner state and mogo's state as they were, and the run goes on."""
+    model = mlp(seed % 7)
+    opt = mogo.HarmonizedOptimizer(
+        torch.optim.Adam(model.parameters(), lr=1e-2), ["a", "b", "c"],
+        harmonize_every=every, alpha_ema=0.5, nonfinite="skip", accumulation=accumulation,
+    )  # fmt: skip
+    run(None, steps_before, seed=seed, start=(model, opt))
+    before = snapshot(model, opt)
+    faulty = data.draw(st.integers(0, micro - 1), label="faulty micro-batch")
+    opt.zero_grad()
+    for index in range(micro):
+        losses = regression_losses(model, seed + 10 + index)
+        opt.backward(*FAULTS[fault](model, losses)) if index == faulty else opt.backward(losses)
+    opt.step()
+    assert_untouched(model, opt, before)
+    run(None, 1, seed=seed, start=(model, opt))
+    assert opt.amortizer.step == steps_before + 1
