@@ -106,8 +106,6 @@ class Strategy:
         """Accumulate the gradient of ``sum(losses) + shared`` into ``.grad``."""
         total = losses.sum()
         (total if shared is None else total + shared).backward()
-        if self.distributed is not None:
-            self.distributed.note_local_backward()
 
     def finish(self) -> None:
         """Make ``.grad`` final before it is unscaled and clipped: averaged over the processes."""

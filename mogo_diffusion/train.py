@@ -659,7 +659,10 @@ def main(argv: list[str] | None = None) -> None:
         parser.error(str(error))
     trainer = Trainer(config)
     if args.resume:
-        trainer.resume(args.resume)
+        try:
+            trainer.resume(args.resume)
+        except (CheckpointError, ConfigError, FileNotFoundError) as error:
+            parser.error(f"--resume {args.resume}: {error}")
     trainer.train()
     trainer.accelerator.end_training()
 
