@@ -8,6 +8,7 @@ on that problem (every projected value is feasible, hence at least the optimum).
 
     python benchmarks/solvers.py                   # the full table (about two minutes)
     python benchmarks/solvers.py --quick           # K in {2, 5}, one seed
+    python benchmarks/solvers.py --sizes 5 64 --solvers "mogo exact" quadprog daqp   # timing only
     python benchmarks/solvers.py --out docs/_generated   # also JSON, RST tables, figure
     python benchmarks/solvers.py --replot docs/_generated/solvers.json --out docs/_generated
 """
@@ -96,19 +97,23 @@ def run(sizes: list[int], seeds: int, solvers: dict[str, Solver]) -> list[dict]:
     return records
 
 
-def batched_throughput(batch: int, K: int) -> dict[str, float]:
-    """Seconds to solve ``batch`` Gaussian problems of size K: mogo batched against loops."""
+def batched_throughput(batch: int, K: int, solvers: list[str]) -> dict[str, float]:
+    """Seconds to solve ``batch`` Gaussian problems of size K: mogo batched against loops, for
+    those of ``solvers`` that have a batched or a looped entry."""
     stack = torch.stack([gradient_family("gaussian", K, seed=s)[1] for s in range(batch)])
     results = {}
-    for name, solve in [
-        ("mogo exact (batched)", lambda: mogo.min_norm(stack)),
+    for solver, name, solve in [
+        ("mogo exact", "mogo exact (batched)", lambda: mogo.min_norm(stack)),
         (
+            "mogo frank_wolfe",
             "mogo frank_wolfe, tol 1e-6 (batched)",
             lambda: mogo.min_norm(stack, method="frank_wolfe", tol=1e-6, max_iter=5000, throw=False),
         ),
-        ("mogo exact (loop)", lambda: [mogo.min_norm(G) for G in stack]),
-        ("quadprog (loop)", lambda: [PEERS["quadprog"](G) for G in stack.numpy()]),
+        ("mogo exact", "mogo exact (loop)", lambda: [mogo.min_norm(G) for G in stack]),
+        ("quadprog", "quadprog (loop)", lambda: [PEERS["quadprog"](G) for G in stack.numpy()]),
     ]:
+        if solver not in solvers:
+            continue
         solve()
         start = time.perf_counter()
         solve()
@@ -224,17 +229,21 @@ def main(argv: list[str] | None = None) -> None:
     parser.add_argument("--seeds", type=int, default=5, help="problems per family and K (default 5)")
     parser.add_argument("--out", type=Path, help="directory for solvers.json, RST tables and solvers.png")
     parser.add_argument("--replot", type=Path, help="redo tables and figure from a saved solvers.json")
+    parser.add_argument("--sizes", type=int, nargs="+", help="values of K (default 2 3 5 10 32 64)")
+    parser.add_argument("--solvers", nargs="+", choices=list(PEERS), help="a subset of the solvers")
+    parser.add_argument("--batch", type=int, help="problems in the batched comparison (default 4096)")
     args = parser.parse_args(argv)
     torch.set_num_threads(1)
-    sizes = [2, 5] if args.quick else [2, 3, 5, 10, 32, 64]
+    sizes = args.sizes or ([2, 5] if args.quick else [2, 3, 5, 10, 32, 64])
     seeds = 1 if args.quick else args.seeds
-    solvers = {n: s for n, s in PEERS.items() if not (args.quick and n in SLOW)}
+    chosen = args.solvers or [n for n in PEERS if not (args.quick and n in SLOW)]
+    solvers = {n: PEERS[n] for n in chosen}
     if args.replot:
         saved = json.loads(args.replot.read_text())
         write_outputs(args.out, saved["records"], saved["batched_s"], saved["sizes"])
         return
     records = run(sizes, seeds, solvers)
-    throughput = batched_throughput(256 if args.quick else 4096, 5)
+    throughput = batched_throughput(args.batch or (256 if args.quick else 4096), 5, chosen)
     write_outputs(args.out, records, throughput, sizes)
 
 

@@ -43,13 +43,15 @@ def _affine_min_norm(G_SS: np.ndarray, min_rcond: float = 0.0) -> np.ndarray | N
     return solution[:n]
 
 
-def _initial_corral(G: np.ndarray) -> tuple[np.ndarray, np.ndarray, bool]:
-    """A feasible start: the affine minimiser over all K points if that system is regular (at
-    once optimal when the optimum has full support) or its positive part, else the vertex of
-    smallest norm. Returns the corral, its weights and whether they are its affine minimiser.
+def _initial_corral(G: np.ndarray, mu: np.ndarray | None) -> tuple[np.ndarray, np.ndarray, bool]:
+    """A feasible start: the affine minimiser ``mu`` over all K points (computed here unless
+    given) if that system is regular (at once optimal when the optimum has full support) or its
+    positive part, else the vertex of smallest norm. Returns the corral, its weights and whether
+    they are its affine minimiser.
 
     A nearly singular system (rank-deficient G) would start Wolfe from noise, so it is refused."""
-    mu = _affine_min_norm(G, min_rcond=1e-10)
+    if mu is None:
+        mu = _affine_min_norm(G, min_rcond=1e-10)
     if mu is not None:
         positive = mu > 0
         if positive.all():
@@ -89,14 +91,18 @@ def _corral_cycles(
     return support, lam, solves, True
 
 
-def wolfe_single(G: np.ndarray, tol: float, max_iter: int) -> tuple[np.ndarray, int]:
+def wolfe_single(
+    G: np.ndarray, tol: float, max_iter: int, affine: np.ndarray | None = None
+) -> tuple[np.ndarray, int]:
     """Solve one problem. ``G``: (K, K) float64, normalised. Returns (alpha, solves).
 
-    Stops when ``min_i (G alpha)_i >= alpha^T G alpha - tol``, after ``max_iter`` solves, or when
-    round-off stalls the corral twice; the caller judges the result by its KKT certificate.
+    ``affine``, the affine minimiser over all K points where the caller has it from a
+    factorisation of a well-conditioned ``G``, saves the first solve. Stops when
+    ``min_i (G alpha)_i >= alpha^T G alpha - tol``, after ``max_iter`` solves, or when round-off
+    stalls the corral twice; the caller judges the result by its KKT certificate.
     """
     K = G.shape[0]
-    support, lam, interior = _initial_corral(G)
+    support, lam, interior = _initial_corral(G, affine)
     regular, restarted = True, False
     iterations = 1
     while True:
