@@ -251,14 +251,15 @@ class _Precision(NamedTuple):
     allowance: float  # asymmetry and negative eigenvalues tolerated, relative to max_i G_ii
     below_float64: bool  # solved shifted where not positive definite, judged by tol + allowance
     name: str  # "5 x 5 float32"
+    dtype: str  # "float32"
 
 
 @functools.lru_cache(maxsize=256)
 def _precision(dtype: torch.dtype, K: int) -> _Precision:
-    name = f"{K} x {K} {str(dtype).removeprefix('torch.')}"
+    short = str(dtype).removeprefix("torch.")
     if dtype.is_floating_point and torch.finfo(dtype).eps > EPS64:
-        return _Precision(K * torch.finfo(dtype).eps, True, name)
-    return _Precision(100.0 * K * EPS64, False, name)
+        return _Precision(K * torch.finfo(dtype).eps, True, f"{K} x {K} {short}", short)
+    return _Precision(100.0 * K * EPS64, False, f"{K} x {K} {short}", short)
 
 
 def _single(
@@ -496,7 +497,7 @@ def _status(
     failed = int((kkt > certified).sum())
     if precision.below_float64:
         target = f"tol={tol:g} + {precision.allowance:.2g} ({known} of max_i G_ii)"
-        exact = "pass G in float64 if it was computed in float64, or raise tol or max_iter"
+        exact = f"raise tol or max_iter, or pass G in float64 if it holds more digits than {precision.dtype}"
     else:
         target, exact = f"tol={tol:g}", "G is likely ill-conditioned beyond float64; raise tol or max_iter"
     advice = {
