@@ -141,6 +141,21 @@ def table(records: list[dict], solvers: list[str], sizes: list[int]) -> tuple[li
     return header, rows
 
 
+def common_table(
+    records: list[dict], solvers: list[str], sizes: list[int]
+) -> tuple[list[str], list[list[str]]]:
+    """Per solver: median microseconds per K over the problems that every solver solved (a
+    failure is timed once, cold, so the summary's medians mix two kinds of call)."""
+    header = ["solver", *[f"K={K} (us)" for K in sizes]]
+    failed = {(r["family"], r["K"], r["seed"]) for r in records if r["failure"]}
+    rows = []
+    for name in solvers:
+        mine = [r for r in records if r["solver"] == name and (r["family"], r["K"], r["seed"]) not in failed]
+        times = [[r["seconds"] for r in mine if r["K"] == K] for K in sizes]
+        rows.append([name, *[f"{np.median(t) * 1e6:,.0f} ({len(t)})" if t else "-" for t in times]])
+    return header, rows
+
+
 def family_table(records: list[dict], solvers: list[str]) -> tuple[list[str], list[list[str]]]:
     """Failures and worst error per family, one column per solver."""
     header = ["family", *solvers]
@@ -208,16 +223,28 @@ def write_outputs(out: Path, records: list[dict], throughput: dict[str, float], 
     """Print the tables and, with ``out``, write JSON, RST tables and the figure there."""
     solvers = list(dict.fromkeys(r["solver"] for r in records))
     summary = table(records, solvers, sizes)
+    common = common_table(records, solvers, sizes)
     families = family_table(records, solvers)
     batch_rows = [[name, f"{seconds * 1e3:,.1f}"] for name, seconds in throughput.items()]
     batch_header = ["solver", "ms"]
-    print(markdown(*summary), "", markdown(*families), "", markdown(batch_header, batch_rows), sep="\n")
+    print(
+        markdown(*summary),
+        "",
+        "On the problems every solver solved (how many):",
+        markdown(*common),
+        "",
+        markdown(*families),
+        "",
+        markdown(batch_header, batch_rows),
+        sep="\n",
+    )
     if out is None:
         return
     out.mkdir(parents=True, exist_ok=True)
     payload = {"sizes": sizes, "records": records, "batched_s": throughput}
     (out / "solvers.json").write_text(json.dumps(payload))
     (out / "solvers_summary.rst").write_text(rst(*summary))
+    (out / "solvers_common.rst").write_text(rst(*common))
     (out / "solvers_families.rst").write_text(rst(*families))
     (out / "solvers_batched.rst").write_text(rst(batch_header, batch_rows))
     figure(records, solvers, sizes, out / "solvers.png")

@@ -28,7 +28,9 @@ def _affine_min_norm(G_SS: np.ndarray, min_rcond: float = 0.0) -> np.ndarray | N
     or if the system's reciprocal condition number is below ``min_rcond``.
 
     It solves the bordered KKT system ``[[G_SS, 1], [1^T, 0]] [mu; nu] = [0; 1]`` through LAPACK's
-    ``dgesv`` directly: ``numpy.linalg.solve`` spends six times longer in argument checks.
+    ``dgesv`` directly: ``numpy.linalg.solve`` spends six times longer in argument checks. The
+    condition number is estimated with ``n + 1`` for the system's 1-norm, its bound when the
+    entries of ``G_SS`` are at most 1 in magnitude (a normalised PSD matrix).
     """
     n = G_SS.shape[0]
     bordered = np.ones((n + 1, n + 1))
@@ -36,9 +38,8 @@ def _affine_min_norm(G_SS: np.ndarray, min_rcond: float = 0.0) -> np.ndarray | N
     bordered[n, n] = 0.0
     rhs = np.zeros(n + 1)
     rhs[n] = 1.0
-    norm = np.abs(bordered).sum(axis=0).max() if min_rcond > 0 else 0.0
     lu, _, solution, info = dgesv(bordered, rhs, overwrite_a=True, overwrite_b=True)
-    if info != 0 or (min_rcond > 0 and dgecon(lu, norm)[0] < min_rcond):
+    if info != 0 or (min_rcond > 0 and dgecon(lu, n + 1.0)[0] < min_rcond):
         return None
     return solution[:n]
 
@@ -77,7 +78,7 @@ def _corral_cycles(
         mu = _affine_min_norm(G.take(support, 0).take(support, 1))
         if mu is None:
             return support, lam, solves, False
-        if (mu > 0).all():
+        if min(mu.tolist()) > 0:
             return support, mu, solves, True
         blocking = mu <= 0
         ratios = lam[blocking] / (lam[blocking] - mu[blocking])

@@ -180,9 +180,12 @@ def _single_result(
 ) -> MinNormResult:
     """:func:`_result` for one problem on the CPU, with as few tensor operations as there are
     fields."""
-    status, message = _status("exact", np.asarray(kkt), precision, tol, max_iter)
-    if throw and status != "success":
-        raise SolverError(message)
+    if kkt <= tol and not precision.below_float64:
+        status, message = "success", ""
+    else:
+        status, message = _status("exact", np.asarray(kkt), precision, tol, max_iter)
+        if throw and status != "success":
+            raise SolverError(message)
     fields = torch.from_numpy(alpha), torch.from_numpy(np.array(value)), torch.from_numpy(np.array(kkt))
     if G.dtype != torch.float64:
         dtype = G.dtype if G.is_floating_point() else torch.float64
@@ -273,9 +276,10 @@ def _single(
     arithmetic; a NaN they might skip makes ``G - G^T`` NaN, which the asymmetry test catches.
     """
     scale = max(G.diagonal().tolist())
-    if not 0.0 < scale < np.inf or not (G - G.T).max() <= precision.allowance * scale:
-        return None  # |G - G^T| is antisymmetric: its max is its largest magnitude (NaN if any NaN)
-    normalized = (G + G.T) * (0.5 / scale)
+    asymmetry = (G - G.T).max()  # antisymmetric: its max is its largest magnitude (NaN if any NaN)
+    if not 0.0 < scale < np.inf or not asymmetry <= precision.allowance * scale:
+        return None
+    normalized = G * (1.0 / scale) if asymmetry == 0 else (G + G.T) * (0.5 / scale)
     work = normalized
     factor, info = dpotrf(normalized)
     if info != 0:
