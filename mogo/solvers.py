@@ -50,7 +50,8 @@ class MinNormResult(NamedTuple):
             ``max_i G_ii`` (dimensionless); it bounds every KKT violation and half of
             ``f - f*``.
         status: ``"success"``, or the reason the solve did not meet ``tol``.
-        message: what to do about a status other than success; empty on success.
+        message: what to do about a status other than success; on success, empty for a float64
+            ``G`` and the precision certified for a lower one (see :func:`min_norm`).
     """
 
     alpha: Tensor
@@ -78,8 +79,8 @@ def min_norm(
     Args:
         G: ``(..., K, K)`` symmetric positive semidefinite; any leading batch shape. Computation is
             in float64 whatever the dtype; results come back in ``G``'s floating dtype and device.
-        method: ``"exact"`` (Wolfe's min-norm-point method, finite termination; K <= 2 in closed
-            form), ``"frank_wolfe"`` (the classic MGDA iteration with exact line search),
+        method: ``"exact"`` (Wolfe's min-norm-point method, finite termination; one Cholesky
+            solve when the optimum has full support; K <= 2 of a stack in closed form), ``"frank_wolfe"`` (the classic MGDA iteration with exact line search),
             ``"qpth"`` (differentiable interior point, needs the ``qp`` extra), or ``"auto"``
             (exact).
         tol: stopping tolerance relative to ``max_i G_ii``; defaults to 1e-12 (exact), 1e-8
