@@ -17,6 +17,7 @@ Frank-Wolfe duality gap: with ``g = G alpha`` and ``f = alpha^T G alpha``,
 from __future__ import annotations
 
 import functools
+import math
 from typing import Literal, NamedTuple, NoReturn
 
 import numpy as np
@@ -80,7 +81,8 @@ def min_norm(
         G: ``(..., K, K)`` symmetric positive semidefinite; any leading batch shape. Computation is
             in float64 whatever the dtype; results come back in ``G``'s floating dtype and device.
         method: ``"exact"`` (Wolfe's min-norm-point method, finite termination; one Cholesky
-            solve when the optimum has full support; K <= 2 of a stack in closed form), ``"frank_wolfe"`` (the classic MGDA iteration with exact line search),
+            solve when the optimum has full support; K <= 2 of a stack in closed form),
+            ``"frank_wolfe"`` (the classic MGDA iteration with exact line search),
             ``"qpth"`` (differentiable interior point, needs the ``qp`` extra), or ``"auto"``
             (exact).
         tol: stopping tolerance relative to ``max_i G_ii``; defaults to 1e-12 (exact), 1e-8
@@ -273,12 +275,18 @@ def _single(
     exact solve: ``(alpha, value, kkt, solves)``, or None when the largest diagonal entry is not
     positive and finite or a check fails (the general path then finds out why).
 
-    Python's ``max`` and ``min`` on lists are used where numpy's reductions cost more than the
-    arithmetic; a NaN they might skip makes ``G - G^T`` NaN, which the asymmetry test catches.
+    Python's ``max``, ``min`` and ``sum`` on lists are used where numpy's reductions cost more
+    than the arithmetic (K*K <= 64 numbers). A sum is finite iff no entry is NaN or Inf (or
+    the entries are near overflow, which the general path handles); ``G - G^T`` is
+    antisymmetric, so its max is its largest magnitude.
     """
     scale = max(G.diagonal().tolist())
-    asymmetry = (G - G.T).max()  # antisymmetric: its max is its largest magnitude (NaN if any NaN)
-    if not 0.0 < scale < np.inf or not asymmetry <= precision.allowance * scale:
+    small = len(G) <= 8
+    if not (0.0 < scale < math.inf and math.isfinite(sum(G.ravel().tolist()) if small else G.sum())):
+        return None
+    difference = G - G.T.copy()  # a contiguous operand: numpy's fast loop
+    asymmetry = max(difference.ravel().tolist()) if small else difference.max()
+    if not asymmetry <= precision.allowance * scale:
         return None
     normalized = G * (1.0 / scale) if asymmetry == 0 else (G + G.T) * (0.5 / scale)
     work = normalized
@@ -293,7 +301,9 @@ def _single(
     if factor is not None:
         # The affine minimiser of a positive definite G is proportional to G^-1 1; where it is
         # positive it is optimal, the common case of K independent gradients, in one solve.
-        x = dpotrs(factor, np.ones(len(G)))[0]
+        ones = np.empty(len(G))
+        ones.fill(1.0)
+        x = dpotrs(factor, ones)[0]
         entries = x.tolist()
         mu = x * (1.0 / sum(entries))
         if min(entries) > 0:
@@ -339,8 +349,9 @@ def _prepare(G: np.ndarray, precision: _Precision) -> tuple[np.ndarray, np.ndarr
             _diagnose(G, precision)
         normalized = G / np.where(zero, 1.0, scale)[:, None, None]
     transposed = normalized.transpose(0, 2, 1)
-    # G - G^T is antisymmetric, so its max is its largest magnitude; an Inf or NaN makes it NaN.
-    if not (normalized - transposed).max() <= precision.allowance:
+    # An Inf off the diagonal, or asymmetry (G - G^T is antisymmetric: its max is its largest
+    # magnitude).
+    if not np.isfinite(normalized).all() or not (normalized - transposed).max() <= precision.allowance:
         _diagnose(G, precision)
     normalized = 0.5 * (normalized + transposed)
     # Cholesky of G + allowance I exists iff no eigenvalue is below -allowance. Eigenvalues that

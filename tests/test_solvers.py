@@ -351,3 +351,13 @@ def test_low_precision_messages_name_the_dtype_not_float64():
     assert mogo.min_norm(G.float()).message == (
         "certified to kkt <= 9.5e-07 of max_i G_ii: a 8 x 8 float32 G is known only to K * eps = 9.5e-07"
     )
+
+
+@pytest.mark.parametrize("K", [2, 12])  # the single-problem path counts small K in Python
+@pytest.mark.parametrize(("i", "j"), [(0, 0), (1, 1), (0, 1)])
+@pytest.mark.parametrize("bad", [float("nan"), float("inf")])
+def test_nan_or_inf_anywhere_raises_value_error_without_warnings(K, i, j, bad):
+    G = torch.eye(K, dtype=torch.float64)
+    G[i, j] = G[j, i] = bad  # symmetric Infs subtract to NaN: no warning may escape (pyproject)
+    with pytest.raises(ValueError, match="NaN or Inf"):
+        mogo.min_norm(G)
