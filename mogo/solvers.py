@@ -289,29 +289,33 @@ def _single(
     if not asymmetry <= precision.allowance * scale:
         return None
     normalized = G * (1.0 / scale) if asymmetry == 0 else (G + G.T) * (0.5 / scale)
-    work = normalized
+    work, exact = normalized, True  # exact: factor is the Cholesky factor of work
     factor, info = dpotrf(normalized)
     if info != 0:
-        shifted = normalized + precision.allowance * np.eye(len(G))
+        shifted = normalized.copy()
+        shifted.flat[:: len(G) + 1] += precision.allowance
         factor, info = dpotrf(shifted)
         if info != 0:
             return None
-        work, factor = (shifted, factor) if precision.below_float64 else (normalized, None)
-    affine = None
-    if factor is not None:
-        # The affine minimiser of a positive definite G is proportional to G^-1 1; where it is
-        # positive it is optimal, the common case of K independent gradients, in one solve.
-        ones = np.empty(len(G))
-        ones.fill(1.0)
-        x = dpotrs(factor, ones)[0]
-        entries = x.tolist()
-        mu = x * (1.0 / sum(entries))
-        if min(entries) > 0:
-            kkt, value = _gap_single(normalized, mu)
-            if kkt <= _certified(precision, tol):
-                return mu, value * scale, kkt, 1
-        pivots = factor.diagonal().tolist()  # cond(G) >= (max / min)^2: Wolfe's start needs it small
-        affine = mu if min(pivots) ** 2 > 1e-10 * max(pivots) ** 2 else None
+        if precision.below_float64:
+            work = shifted
+        else:
+            exact = False
+    # The affine minimiser of a positive definite G is proportional to G^-1 1; where it is
+    # positive it is optimal, the common case of K independent gradients, in one solve. With the
+    # factor of G + rho I instead (float64 G, singular), x = (G + rho I)^-1 1 > 0 gives
+    # G x = 1 - rho x, so mu = x / sum(x) is within rho of optimal: often enough, and certified.
+    ones = np.empty(len(G))
+    ones.fill(1.0)
+    x = dpotrs(factor, ones)[0]
+    entries = x.tolist()
+    mu = x * (1.0 / sum(entries))
+    if min(entries) > 0:
+        kkt, value = _gap_single(normalized, mu)
+        if kkt <= _certified(precision, tol):
+            return mu, value * scale, kkt, 1
+    pivots = factor.diagonal().tolist()  # cond(G) >= (max / min)^2: Wolfe's start needs it small
+    affine = mu if exact and min(pivots) ** 2 > 1e-10 * max(pivots) ** 2 else None
     alpha, solves = wolfe_single(work, tol, max_iter, affine)
     kkt, value = _gap_single(normalized, alpha)
     return alpha, value * scale, kkt, solves
