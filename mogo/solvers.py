@@ -242,13 +242,14 @@ class _Output:
 
 
 def _check_shape(G: Tensor) -> tuple[torch.Size, int]:
-    if G.ndim < 2 or G.shape[-1] != G.shape[-2]:
-        raise ValueError(f"G must have shape (..., K, K), got {tuple(G.shape)}")
-    if G.shape[-1] == 0 or G.numel() == 0:
-        raise ValueError(f"G must hold at least one 1 x 1 problem, got shape {tuple(G.shape)}")
+    shape = G.shape
+    if len(shape) < 2 or shape[-1] != shape[-2]:
+        raise ValueError(f"G must have shape (..., K, K), got {tuple(shape)}")
+    if 0 in shape:
+        raise ValueError(f"G must hold at least one 1 x 1 problem, got shape {tuple(shape)}")
     if G.is_complex():
         raise ValueError(f"G must be real, got dtype {G.dtype}")
-    return G.shape[:-2], G.shape[-1]
+    return shape[:-2], shape[-1]
 
 
 class _Precision(NamedTuple):
@@ -284,11 +285,16 @@ def _single(
     small = len(G) <= 8
     if not (0.0 < scale < math.inf and math.isfinite(sum(G.ravel().tolist()) if small else G.sum())):
         return None
-    difference = G - G.T.copy()  # a contiguous operand: numpy's fast loop
+    transposed = G.T.copy()  # contiguous operands take numpy's fast loops
+    difference = G - transposed
     asymmetry = max(difference.ravel().tolist()) if small else difference.max()
     if not asymmetry <= precision.allowance * scale:
         return None
-    normalized = G * (1.0 / scale) if asymmetry == 0 else (G + G.T) * (0.5 / scale)
+    if asymmetry == 0:
+        normalized = G * (1.0 / scale)
+    else:
+        normalized = G + transposed
+        normalized *= 0.5 / scale
     work, exact = normalized, True  # exact: factor is the Cholesky factor of work
     factor, info = dpotrf(normalized)
     if info != 0:
