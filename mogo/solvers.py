@@ -319,12 +319,12 @@ def _single(
     if min(entries) > 0:
         kkt, value = _gap_single(normalized, mu)
         if kkt <= _certified(precision, tol):
-            return mu, value * scale, kkt, 1
+            return mu, max(value, 0.0) * scale, kkt, 1
     pivots = factor.diagonal().tolist()  # cond(G) >= (max / min)^2: Wolfe's start needs it small
     affine = mu if exact and min(pivots) ** 2 > 1e-10 * max(pivots) ** 2 else None
     alpha, solves = wolfe_single(work, tol, max_iter, affine)
     kkt, value = _gap_single(normalized, alpha)
-    return alpha, value * scale, kkt, solves
+    return alpha, max(value, 0.0) * scale, kkt, solves
 
 
 def _gap_single(G: np.ndarray, alpha: np.ndarray) -> tuple[float, float]:
@@ -387,6 +387,10 @@ def _diagnose(G: np.ndarray, precision: _Precision) -> NoReturn:
     """Raise the ValueError that names what is wrong with the (B, K, K) stack ``G``."""
     where = "of the flattened batch)"
     allows = f"; round-off in a {precision.name} G allows {precision.allowance:.2g}"
+    if precision.below_float64:
+        allows += (
+            f" (a G computed in {precision.dtype} from long dot products errs by more: form it in float64)"
+        )
     finite = np.isfinite(G).all(axis=(1, 2))
     if not finite.all():
         raise ValueError(f"G contains NaN or Inf (problem {_first(~finite)} {where}")
