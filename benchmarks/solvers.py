@@ -8,6 +8,7 @@ on that problem (every projected value is feasible, hence at least the optimum).
 
     python benchmarks/solvers.py                   # the full table (about two minutes)
     python benchmarks/solvers.py --quick           # K in {2, 5}, one seed
+    python benchmarks/solvers.py --sizes 5 64 --solvers "mogo exact" quadprog daqp   # timing only
     python benchmarks/solvers.py --out docs/_generated   # also JSON, RST tables, figure
     python benchmarks/solvers.py --replot docs/_generated/solvers.json --out docs/_generated
 """
@@ -96,19 +97,23 @@ def run(sizes: list[int], seeds: int, solvers: dict[str, Solver]) -> list[dict]:
     return records
 
 
-def batched_throughput(batch: int, K: int) -> dict[str, float]:
-    """Seconds to solve ``batch`` Gaussian problems of size K: mogo batched against loops."""
+def batched_throughput(batch: int, K: int, solvers: list[str]) -> dict[str, float]:
+    """Seconds to solve ``batch`` Gaussian problems of size K: mogo batched against loops, for
+    those of ``solvers`` that have a batched or a looped entry."""
     stack = torch.stack([gradient_family("gaussian", K, seed=s)[1] for s in range(batch)])
     results = {}
-    for name, solve in [
-        ("mogo exact (batched)", lambda: mogo.min_norm(stack)),
+    for solver, name, solve in [
+        ("mogo exact", "mogo exact (batched)", lambda: mogo.min_norm(stack)),
         (
+            "mogo frank_wolfe",
             "mogo frank_wolfe, tol 1e-6 (batched)",
             lambda: mogo.min_norm(stack, method="frank_wolfe", tol=1e-6, max_iter=5000, throw=False),
         ),
-        ("mogo exact (loop)", lambda: [mogo.min_norm(G) for G in stack]),
-        ("quadprog (loop)", lambda: [PEERS["quadprog"](G) for G in stack.numpy()]),
+        ("mogo exact", "mogo exact (loop)", lambda: [mogo.min_norm(G) for G in stack]),
+        ("quadprog", "quadprog (loop)", lambda: [PEERS["quadprog"](G) for G in stack.numpy()]),
     ]:
+        if solver not in solvers:
+            continue
         solve()
         start = time.perf_counter()
         solve()
@@ -133,6 +138,21 @@ def table(records: list[dict], solvers: list[str], sizes: list[int]) -> tuple[li
                 f"{failures}/{len(mine)}",
             ]
         )
+    return header, rows
+
+
+def common_table(
+    records: list[dict], solvers: list[str], sizes: list[int]
+) -> tuple[list[str], list[list[str]]]:
+    """Per solver: median microseconds per K over the problems that every solver solved (a
+    failure is timed once, cold, so the summary's medians mix two kinds of call)."""
+    header = ["solver", *[f"K={K} (us)" for K in sizes]]
+    failed = {(r["family"], r["K"], r["seed"]) for r in records if r["failure"]}
+    rows = []
+    for name in solvers:
+        mine = [r for r in records if r["solver"] == name and (r["family"], r["K"], r["seed"]) not in failed]
+        times = [[r["seconds"] for r in mine if r["K"] == K] for K in sizes]
+        rows.append([name, *[f"{np.median(t) * 1e6:,.0f} ({len(t)})" if t else "-" for t in times]])
     return header, rows
 
 
@@ -203,16 +223,28 @@ def write_outputs(out: Path, records: list[dict], throughput: dict[str, float], 
     """Print the tables and, with ``out``, write JSON, RST tables and the figure there."""
     solvers = list(dict.fromkeys(r["solver"] for r in records))
     summary = table(records, solvers, sizes)
+    common = common_table(records, solvers, sizes)
     families = family_table(records, solvers)
     batch_rows = [[name, f"{seconds * 1e3:,.1f}"] for name, seconds in throughput.items()]
     batch_header = ["solver", "ms"]
-    print(markdown(*summary), "", markdown(*families), "", markdown(batch_header, batch_rows), sep="\n")
+    print(
+        markdown(*summary),
+        "",
+        "On the problems every solver solved (how many):",
+        markdown(*common),
+        "",
+        markdown(*families),
+        "",
+        markdown(batch_header, batch_rows),
+        sep="\n",
+    )
     if out is None:
         return
     out.mkdir(parents=True, exist_ok=True)
     payload = {"sizes": sizes, "records": records, "batched_s": throughput}
     (out / "solvers.json").write_text(json.dumps(payload))
     (out / "solvers_summary.rst").write_text(rst(*summary))
+    (out / "solvers_common.rst").write_text(rst(*common))
     (out / "solvers_families.rst").write_text(rst(*families))
     (out / "solvers_batched.rst").write_text(rst(batch_header, batch_rows))
     figure(records, solvers, sizes, out / "solvers.png")
@@ -224,17 +256,21 @@ def main(argv: list[str] | None = None) -> None:
     parser.add_argument("--seeds", type=int, default=5, help="problems per family and K (default 5)")
     parser.add_argument("--out", type=Path, help="directory for solvers.json, RST tables and solvers.png")
     parser.add_argument("--replot", type=Path, help="redo tables and figure from a saved solvers.json")
+    parser.add_argument("--sizes", type=int, nargs="+", help="values of K (default 2 3 5 10 32 64)")
+    parser.add_argument("--solvers", nargs="+", choices=list(PEERS), help="a subset of the solvers")
+    parser.add_argument("--batch", type=int, help="problems in the batched comparison (default 4096)")
     args = parser.parse_args(argv)
     torch.set_num_threads(1)
-    sizes = [2, 5] if args.quick else [2, 3, 5, 10, 32, 64]
+    sizes = args.sizes or ([2, 5] if args.quick else [2, 3, 5, 10, 32, 64])
     seeds = 1 if args.quick else args.seeds
-    solvers = {n: s for n, s in PEERS.items() if not (args.quick and n in SLOW)}
+    chosen = args.solvers or [n for n in PEERS if not (args.quick and n in SLOW)]
+    solvers = {n: PEERS[n] for n in chosen}
     if args.replot:
         saved = json.loads(args.replot.read_text())
         write_outputs(args.out, saved["records"], saved["batched_s"], saved["sizes"])
         return
     records = run(sizes, seeds, solvers)
-    throughput = batched_throughput(256 if args.quick else 4096, 5)
+    throughput = batched_throughput(args.batch or (256 if args.quick else 4096), 5, chosen)
     write_outputs(args.out, records, throughput, sizes)
 
 

@@ -28,7 +28,9 @@ def _affine_min_norm(G_SS: np.ndarray, min_rcond: float = 0.0) -> np.ndarray | N
     or if the system's reciprocal condition number is below ``min_rcond``.
 
     It solves the bordered KKT system ``[[G_SS, 1], [1^T, 0]] [mu; nu] = [0; 1]`` through LAPACK's
-    ``dgesv`` directly: ``numpy.linalg.solve`` spends six times longer in argument checks.
+    ``dgesv`` directly: ``numpy.linalg.solve`` spends six times longer in argument checks. The
+    condition number is estimated with ``n + 1`` for the system's 1-norm, its bound when the
+    entries of ``G_SS`` are at most 1 in magnitude (a normalised PSD matrix).
     """
     n = G_SS.shape[0]
     bordered = np.ones((n + 1, n + 1))
@@ -36,20 +38,21 @@ def _affine_min_norm(G_SS: np.ndarray, min_rcond: float = 0.0) -> np.ndarray | N
     bordered[n, n] = 0.0
     rhs = np.zeros(n + 1)
     rhs[n] = 1.0
-    norm = np.abs(bordered).sum(axis=0).max() if min_rcond > 0 else 0.0
     lu, _, solution, info = dgesv(bordered, rhs, overwrite_a=True, overwrite_b=True)
-    if info != 0 or (min_rcond > 0 and dgecon(lu, norm)[0] < min_rcond):
+    if info != 0 or (min_rcond > 0 and dgecon(lu, n + 1.0)[0] < min_rcond):
         return None
     return solution[:n]
 
 
-def _initial_corral(G: np.ndarray) -> tuple[np.ndarray, np.ndarray, bool]:
-    """A feasible start: the affine minimiser over all K points if that system is regular (at
-    once optimal when the optimum has full support) or its positive part, else the vertex of
-    smallest norm. Returns the corral, its weights and whether they are its affine minimiser.
+def _initial_corral(G: np.ndarray, mu: np.ndarray | None) -> tuple[np.ndarray, np.ndarray, bool]:
+    """A feasible start: the affine minimiser ``mu`` over all K points (computed here unless
+    given) if that system is regular (at once optimal when the optimum has full support) or its
+    positive part, else the vertex of smallest norm. Returns the corral, its weights and whether
+    they are its affine minimiser.
 
     A nearly singular system (rank-deficient G) would start Wolfe from noise, so it is refused."""
-    mu = _affine_min_norm(G, min_rcond=1e-10)
+    if mu is None:
+        mu = _affine_min_norm(G, min_rcond=1e-10)
     if mu is not None:
         positive = mu > 0
         if positive.all():
@@ -75,7 +78,7 @@ def _corral_cycles(
         mu = _affine_min_norm(G.take(support, 0).take(support, 1))
         if mu is None:
             return support, lam, solves, False
-        if (mu > 0).all():
+        if min(mu.tolist()) > 0:
             return support, mu, solves, True
         blocking = mu <= 0
         ratios = lam[blocking] / (lam[blocking] - mu[blocking])
@@ -89,14 +92,18 @@ def _corral_cycles(
     return support, lam, solves, True
 
 
-def wolfe_single(G: np.ndarray, tol: float, max_iter: int) -> tuple[np.ndarray, int]:
+def wolfe_single(
+    G: np.ndarray, tol: float, max_iter: int, affine: np.ndarray | None = None
+) -> tuple[np.ndarray, int]:
     """Solve one problem. ``G``: (K, K) float64, normalised. Returns (alpha, solves).
 
-    Stops when ``min_i (G alpha)_i >= alpha^T G alpha - tol``, after ``max_iter`` solves, or when
-    round-off stalls the corral twice; the caller judges the result by its KKT certificate.
+    ``affine``, the affine minimiser over all K points where the caller has it from a
+    factorisation of a well-conditioned ``G``, saves the first solve. Stops when
+    ``min_i (G alpha)_i >= alpha^T G alpha - tol``, after ``max_iter`` solves, or when round-off
+    stalls the corral twice; the caller judges the result by its KKT certificate.
     """
     K = G.shape[0]
-    support, lam, interior = _initial_corral(G)
+    support, lam, interior = _initial_corral(G, affine)
     regular, restarted = True, False
     iterations = 1
     while True:

@@ -16,11 +16,13 @@ Frank-Wolfe duality gap: with ``g = G alpha`` and ``f = alpha^T G alpha``,
 
 from __future__ import annotations
 
+import functools
+import math
 from typing import Literal, NamedTuple, NoReturn
 
 import numpy as np
 import torch
-from scipy.linalg.lapack import dpotrf
+from scipy.linalg.lapack import dpotrf, dpotrs
 from torch import Tensor
 
 from mogo._wolfe import wolfe_batched, wolfe_single
@@ -34,6 +36,7 @@ DEFAULT_MAX_ITER = {"exact": 1000, "frank_wolfe": 10_000, "qpth": 50}
 # qpth needs a strictly positive definite G: it solves on G + QPTH_REG * max_i G_ii * I, which moves
 # the optimal value by at most QPTH_REG * max_i G_ii.
 QPTH_REG = 1e-9
+EPS64 = float(np.finfo(np.float64).eps)
 
 
 class MinNormResult(NamedTuple):
@@ -48,7 +51,8 @@ class MinNormResult(NamedTuple):
             ``max_i G_ii`` (dimensionless); it bounds every KKT violation and half of
             ``f - f*``.
         status: ``"success"``, or the reason the solve did not meet ``tol``.
-        message: what to do about a status other than success; empty on success.
+        message: what to do about a status other than success; on success, empty for a float64
+            ``G`` and the precision certified for a lower one (see :func:`min_norm`).
     """
 
     alpha: Tensor
@@ -76,8 +80,9 @@ def min_norm(
     Args:
         G: ``(..., K, K)`` symmetric positive semidefinite; any leading batch shape. Computation is
             in float64 whatever the dtype; results come back in ``G``'s floating dtype and device.
-        method: ``"exact"`` (Wolfe's min-norm-point method, finite termination; K <= 2 in closed
-            form), ``"frank_wolfe"`` (the classic MGDA iteration with exact line search),
+        method: ``"exact"`` (Wolfe's min-norm-point method, finite termination; one Cholesky
+            solve when the optimum has full support; K <= 2 of a stack in closed form),
+            ``"frank_wolfe"`` (the classic MGDA iteration with exact line search),
             ``"qpth"`` (differentiable interior point, needs the ``qp`` extra), or ``"auto"``
             (exact).
         tol: stopping tolerance relative to ``max_i G_ii``; defaults to 1e-12 (exact), 1e-8
@@ -86,17 +91,30 @@ def min_norm(
         max_iter: iteration limit per problem (see :class:`MinNormResult`).
         throw: raise :class:`SolverError` unless the status is ``"success"``.
 
+    Precision: each entry of a ``G`` stored in a dtype below float64 (float32, bfloat16, float16)
+    is known only to ``eps / 2`` of ``max_i G_ii``, so its eigenvalues only to ``K * eps / 2``
+    (the spectral norm of a K x K error of that size). Such a ``G`` is allowed asymmetry and
+    negative eigenvalues down to ``rho = K * eps`` of ``max_i G_ii`` (``eps`` of its dtype:
+    2**-23, 2**-7, 2**-10; for K = 200 in float32, 2.4e-5); where it is not positive definite
+    it is solved as ``G + rho max_i G_ii I``, and the solve succeeds when the certificate on
+    ``G`` itself, ``kkt``, is at most ``tol + rho``; the message says so. float64 (and integer)
+    ``G`` is allowed ``100 K`` float64 round-offs, solved as given, and judged by ``tol``.
+
     Raises:
         ValueError: ``G`` is not square, is empty, holds NaN or Inf, is asymmetric beyond
-            round-off, or is clearly indefinite. Round-off asymmetry is symmetrised away, and an
-            eigenvalue that is negative by round-off only is tolerated (``value`` is clipped at 0).
-        SolverError: the solve did not reach ``tol`` and ``throw`` is true.
+            round-off, or is clearly indefinite (see Precision). Round-off asymmetry is
+            symmetrised away, and an eigenvalue that is negative by round-off only is tolerated
+            (``value`` is clipped at 0).
+        SolverError: the solve did not reach its tolerance and ``throw`` is true.
 
     Example:
         >>> import torch, mogo
         >>> J = torch.tensor([[1.0, 0.0], [0.0, 1.0]])  # two orthogonal unit gradients
-        >>> mogo.min_norm(J @ J.T).alpha
+        >>> result = mogo.min_norm(J @ J.T)
+        >>> result.alpha
         tensor([0.5000, 0.5000])
+        >>> result.message
+        'certified to kkt <= 2.4e-07 of max_i G_ii: a 2 x 2 float32 G is known only to K * eps = 2.4e-07'
     """
     method = "exact" if method == "auto" else method
     if method not in DEFAULT_TOL:
@@ -108,12 +126,17 @@ def min_norm(
     if max_iter < 1:
         raise ValueError(f"max_iter must be at least 1, got {max_iter}")
 
-    G = torch.as_tensor(G)
+    G = G if isinstance(G, Tensor) else torch.as_tensor(G)
     batch_shape, K = _check_shape(G)
-    host = G.detach()
-    if host.dtype != torch.float64 or host.device.type != "cpu":
+    precision = _precision(G.dtype, K)
+    host = G.detach() if G.requires_grad else G
+    if host.dtype != torch.float64 or not host.is_cpu:
         host = host.to(device="cpu", dtype=torch.float64)
-    work, scale = _prepare(host.numpy().reshape(-1, K, K), _round_off(G.dtype, K))
+    if method == "exact" and G.ndim == 2 and G.is_cpu:
+        single = _single(host.numpy(), precision, tol, max_iter)
+        if single is not None:  # None: a zero or bad G, which the general path handles
+            return _single_result(G, *single, precision, tol, max_iter, throw)
+    normalized, work, scale = _prepare(host.numpy().reshape(-1, K, K), precision)
     if method == "qpth":
         alpha = _qpth(G.reshape(-1, K, K), work, scale, max_iter)
         host_alpha, iterations = alpha.detach().cpu().numpy(), np.full(len(work), max_iter)
@@ -121,20 +144,87 @@ def min_norm(
         host_alpha, iterations = _frank_wolfe(torch.from_numpy(work).to(G.device), tol, max_iter)
     else:
         host_alpha, iterations = _exact(work, scale, tol, max_iter)
-    kkt, value = _gap(work, host_alpha)
-    status, message = _status(method, kkt, tol, max_iter)
+    kkt, value = _gap(normalized, host_alpha)
+    if method != "qpth":
+        return _result(
+            G,
+            batch_shape,
+            host_alpha,
+            value * scale,
+            kkt,
+            iterations,
+            method,
+            precision,
+            tol,
+            max_iter,
+            throw,
+        )
+    status, message = _status(method, kkt, precision, tol, max_iter)
+    if throw and status != "success":
+        raise SolverError(message)
+    output = _Output(G, batch_shape)  # keep the autograd graph from G to alpha and value
+    G64 = G.to(torch.float64).reshape(-1, K, K)
+    value = torch.einsum("bi,bij,bj->b", alpha, G64, alpha).reshape(batch_shape).to(output.dtype)
+    alpha = alpha.reshape(*batch_shape, K).to(output.dtype)
+    iterations = torch.from_numpy(iterations.reshape(tuple(batch_shape)))
+    return MinNormResult(alpha, value, iterations, output(kkt), status, message)
+
+
+def _single_result(
+    G: Tensor,
+    alpha: np.ndarray,
+    value: float,
+    kkt: float,
+    solves: int,
+    precision: _Precision,
+    tol: float,
+    max_iter: int,
+    throw: bool,
+) -> MinNormResult:
+    """:func:`_result` for one problem on the CPU, with as few tensor operations as there are
+    fields."""
+    if kkt <= tol and not precision.below_float64:
+        status, message = "success", ""
+    else:
+        status, message = _status("exact", np.asarray(kkt), precision, tol, max_iter)
+        if throw and status != "success":
+            raise SolverError(message)
+    fields = torch.from_numpy(alpha), torch.from_numpy(np.array(value)), torch.from_numpy(np.array(kkt))
+    if G.dtype != torch.float64:
+        dtype = G.dtype if G.is_floating_point() else torch.float64
+        fields = tuple(field.to(dtype) for field in fields)
+    iterations = torch.from_numpy(np.array(solves, dtype=np.int64))
+    return MinNormResult(fields[0], fields[1], iterations, fields[2], status, message)
+
+
+def _result(
+    G: Tensor,
+    batch_shape: torch.Size,
+    alpha: np.ndarray,
+    value: np.ndarray,
+    kkt: np.ndarray,
+    iterations: np.ndarray,
+    method: str,
+    precision: _Precision,
+    tol: float,
+    max_iter: int,
+    throw: bool,
+) -> MinNormResult:
+    """The result from float64 host arrays (``value`` in the units of ``G``, round-off negatives
+    clipped to 0), or :class:`SolverError` when ``throw`` and the certificate misses."""
+    status, message = _status(method, kkt, precision, tol, max_iter)
     if throw and status != "success":
         raise SolverError(message)
     output = _Output(G, batch_shape)
-    if method == "qpth":  # keep the autograd graph from G to alpha and value
-        G64 = G.to(torch.float64).reshape(-1, K, K)
-        value = torch.einsum("bi,bij,bj->b", alpha, G64, alpha).reshape(batch_shape).to(output.dtype)
-        alpha = alpha.reshape(*batch_shape, K).to(output.dtype)
-    else:
-        value = output(np.maximum(value, 0.0) * scale)  # round-off negatives clipped
-        alpha = output(host_alpha, K)
-    iterations = torch.from_numpy(np.asarray(iterations, dtype=np.int64).reshape(tuple(batch_shape)))
-    return MinNormResult(alpha, value, iterations, output(kkt), status, message)
+    iterations = torch.from_numpy(np.asarray(iterations, dtype=np.int64).reshape(output.shape))
+    return MinNormResult(
+        output(alpha, alpha.shape[-1]),
+        output(np.maximum(value, 0.0)),
+        iterations,
+        output(kkt),
+        status,
+        message,
+    )
 
 
 class _Output:
@@ -147,66 +237,160 @@ class _Output:
         self.converts = self.dtype != torch.float64 or self.device.type != "cpu"
 
     def __call__(self, array: np.ndarray, *trailing: int) -> Tensor:
-        tensor = torch.from_numpy(array.reshape((*self.shape, *trailing)))
+        tensor = torch.from_numpy(np.asarray(array).reshape((*self.shape, *trailing)))
         return tensor.to(device=self.device, dtype=self.dtype) if self.converts else tensor
 
 
 def _check_shape(G: Tensor) -> tuple[torch.Size, int]:
-    if G.ndim < 2 or G.shape[-1] != G.shape[-2]:
-        raise ValueError(f"G must have shape (..., K, K), got {tuple(G.shape)}")
-    if G.shape[-1] == 0 or G.numel() == 0:
-        raise ValueError(f"G must hold at least one 1 x 1 problem, got shape {tuple(G.shape)}")
+    shape = G.shape
+    if len(shape) < 2 or shape[-1] != shape[-2]:
+        raise ValueError(f"G must have shape (..., K, K), got {tuple(shape)}")
+    if 0 in shape:
+        raise ValueError(f"G must hold at least one 1 x 1 problem, got shape {tuple(shape)}")
     if G.is_complex():
         raise ValueError(f"G must be real, got dtype {G.dtype}")
-    return G.shape[:-2], G.shape[-1]
+    return shape[:-2], shape[-1]
 
 
-def _round_off(dtype: torch.dtype, K: int) -> float:
-    """Relative size of round-off in a K x K Gram matrix computed in ``dtype``."""
-    eps = torch.finfo(dtype).eps if dtype.is_floating_point else torch.finfo(torch.float64).eps
-    return 100.0 * K * eps
+class _Precision(NamedTuple):
+    """How well a K x K Gram matrix of one dtype is known (see :func:`min_norm`, Precision)."""
+
+    allowance: float  # asymmetry and negative eigenvalues tolerated, relative to max_i G_ii
+    below_float64: bool  # solved shifted where not positive definite, judged by tol + allowance
+    name: str  # "5 x 5 float32"
+    dtype: str  # "float32"
 
 
-def _prepare(G: np.ndarray, round_off: float) -> tuple[np.ndarray, np.ndarray]:
+@functools.lru_cache(maxsize=256)
+def _precision(dtype: torch.dtype, K: int) -> _Precision:
+    short = str(dtype).removeprefix("torch.")
+    if dtype.is_floating_point and torch.finfo(dtype).eps > EPS64:
+        return _Precision(K * torch.finfo(dtype).eps, True, f"{K} x {K} {short}", short)
+    return _Precision(100.0 * K * EPS64, False, f"{K} x {K} {short}", short)
+
+
+def _single(
+    G: np.ndarray, precision: _Precision, tol: float, max_iter: int
+) -> tuple[np.ndarray, float, float, int] | None:
+    """One (K, K) float64 problem with the checks of :func:`_prepare`, each done once, and its
+    exact solve: ``(alpha, value, kkt, solves)``, or None when the largest diagonal entry is not
+    positive and finite or a check fails (the general path then finds out why).
+
+    Python's ``max``, ``min`` and ``sum`` on lists are used where numpy's reductions cost more
+    than the arithmetic (K*K <= 64 numbers). A sum is finite iff no entry is NaN or Inf (or
+    the entries are near overflow, which the general path handles); ``G - G^T`` is
+    antisymmetric, so its max is its largest magnitude.
+    """
+    scale = max(G.diagonal().tolist())
+    small = len(G) <= 8
+    if not (0.0 < scale < math.inf and math.isfinite(sum(G.ravel().tolist()) if small else G.sum())):
+        return None
+    transposed = G.T.copy()  # contiguous operands take numpy's fast loops
+    difference = G - transposed
+    asymmetry = max(difference.ravel().tolist()) if small else difference.max()
+    if not asymmetry <= precision.allowance * scale:
+        return None
+    if asymmetry == 0:
+        normalized = G * (1.0 / scale)
+    else:
+        normalized = G + transposed
+        normalized *= 0.5 / scale
+    work, exact = normalized, True  # exact: factor is the Cholesky factor of work
+    factor, info = dpotrf(normalized)
+    if info != 0:
+        shifted = normalized.copy()
+        shifted.flat[:: len(G) + 1] += precision.allowance
+        factor, info = dpotrf(shifted)
+        if info != 0:
+            return None
+        if precision.below_float64:
+            work = shifted
+        else:
+            exact = False
+    # The affine minimiser of a positive definite G is proportional to G^-1 1; where it is
+    # positive it is optimal, the common case of K independent gradients, in one solve. With the
+    # factor of G + rho I instead (float64 G, singular), x = (G + rho I)^-1 1 > 0 gives
+    # G x = 1 - rho x, so mu = x / sum(x) is within rho of optimal: often enough, and certified.
+    ones = np.empty(len(G))
+    ones.fill(1.0)
+    x = dpotrs(factor, ones)[0]
+    entries = x.tolist()
+    mu = x * (1.0 / sum(entries))
+    if min(entries) > 0:
+        kkt, value = _gap_single(normalized, mu)
+        if kkt <= _certified(precision, tol):
+            return mu, max(value, 0.0) * scale, kkt, 1
+    pivots = factor.diagonal().tolist()  # cond(G) >= (max / min)^2: Wolfe's start needs it small
+    affine = mu if exact and min(pivots) ** 2 > 1e-10 * max(pivots) ** 2 else None
+    alpha, solves = wolfe_single(work, tol, max_iter, affine)
+    kkt, value = _gap_single(normalized, alpha)
+    return alpha, max(value, 0.0) * scale, kkt, solves
+
+
+def _gap_single(G: np.ndarray, alpha: np.ndarray) -> tuple[float, float]:
+    """:func:`_gap` of one (K, K) problem, as floats."""
+    g = G.dot(alpha)
+    value = float(alpha.dot(g))
+    return max(value - min(g.tolist()), 0.0), value
+
+
+def _certified(precision: _Precision, tol: float) -> float:
+    """The largest ``kkt`` that counts as success."""
+    return tol + precision.allowance if precision.below_float64 else tol
+
+
+def _prepare(G: np.ndarray, precision: _Precision) -> tuple[np.ndarray, np.ndarray, np.ndarray]:
     """Validate a (B, K, K) float64 stack and scale each problem to largest diagonal 1.
 
-    Returns ``(G / s, s)`` with ``s`` (B,) the largest diagonal of each problem (and G / s = 0
-    where s = G = 0). The checks run in numpy, as few operations as possible on the happy path
-    (NaN fails every comparison); :func:`_diagnose` finds out what is wrong only when one fails.
+    Returns ``(G / s, work, s)``: ``s`` (B,) the largest diagonal of each problem (and G / s = 0
+    where s = G = 0), and the matrices to solve on: ``G / s``, shifted by the allowance where it
+    is not positive definite and below float64 (see :func:`min_norm`). The checks run in numpy,
+    as few operations as possible on the happy path (NaN fails every comparison);
+    :func:`_diagnose` finds out what is wrong only when one fails.
     """
     scale = G.diagonal(axis1=1, axis2=2).max(axis=-1)
     if not scale.max() < np.inf:  # NaN or Inf: say so before arithmetic on it warns
-        _diagnose(G, round_off)
+        _diagnose(G, precision)
     if scale.min() > 0:
         normalized = G / scale[:, None, None]
     else:
         zero = ~G.any(axis=(1, 2))
         if not (scale[~zero] > 0).all():
-            _diagnose(G, round_off)
+            _diagnose(G, precision)
         normalized = G / np.where(zero, 1.0, scale)[:, None, None]
     transposed = normalized.transpose(0, 2, 1)
-    if not np.isfinite(normalized).all() or not np.abs(normalized - transposed).max() <= round_off:
-        _diagnose(G, round_off)  # an Inf off the diagonal, or asymmetry
+    # An Inf off the diagonal, or asymmetry (G - G^T is antisymmetric: its max is its largest
+    # magnitude).
+    if not np.isfinite(normalized).all() or not (normalized - transposed).max() <= precision.allowance:
+        _diagnose(G, precision)
     normalized = 0.5 * (normalized + transposed)
-    # Cholesky of G + round_off I exists iff no eigenvalue is below -round_off. Eigenvalues that
-    # are negative by round-off only are harmless to Wolfe's method and are left in place.
-    shifted = normalized + round_off * np.eye(G.shape[-1])
-    if len(G) == 1:
-        positive_definite = dpotrf(shifted[0])[1] == 0  # LAPACK directly: 20x less overhead
-    else:
-        try:
-            np.linalg.cholesky(shifted)
-            positive_definite = True
-        except np.linalg.LinAlgError:
-            positive_definite = False
-    if not positive_definite:
-        _diagnose(G, round_off)
-    return normalized, scale
+    # Cholesky of G + allowance I exists iff no eigenvalue is below -allowance. Eigenvalues that
+    # are negative by float64 round-off only are harmless to Wolfe's method and are left in place.
+    definite = _positive_definite(normalized)
+    work = normalized
+    if not definite.all():
+        shifted = normalized[~definite] + precision.allowance * np.eye(G.shape[-1])
+        if not _positive_definite(shifted).all():
+            _diagnose(G, precision)
+        if precision.below_float64:
+            work = normalized.copy()
+            work[~definite] = shifted
+    return normalized, work, scale
 
 
-def _diagnose(G: np.ndarray, round_off: float) -> NoReturn:
+def _positive_definite(G: np.ndarray) -> np.ndarray:
+    """(B,) bool: which of the (B, K, K) symmetric matrices have a Cholesky factorisation."""
+    return (torch.linalg.cholesky_ex(torch.from_numpy(G)).info == 0).numpy()
+
+
+def _diagnose(G: np.ndarray, precision: _Precision) -> NoReturn:
     """Raise the ValueError that names what is wrong with the (B, K, K) stack ``G``."""
     where = "of the flattened batch)"
+    allows = f"; round-off in a {precision.name} G allows {precision.allowance:.2g}"
+    if precision.below_float64:
+        allows += (
+            f" (a G computed in {precision.dtype} from long dot products errs by more: form it in float64)"
+        )
     finite = np.isfinite(G).all(axis=(1, 2))
     if not finite.all():
         raise ValueError(f"G contains NaN or Inf (problem {_first(~finite)} {where}")
@@ -220,17 +404,17 @@ def _diagnose(G: np.ndarray, round_off: float) -> NoReturn:
         )
     G = G / np.where(zero, 1.0, scale)[:, None, None]
     asymmetry = np.abs(G - G.transpose(0, 2, 1)).max(axis=(1, 2))
-    if asymmetry.max() > round_off:
+    if asymmetry.max() > precision.allowance:
         worst = int(asymmetry.argmax())
         raise ValueError(
             f"G is not symmetric: max |G - G^T| / max_i G_ii = {asymmetry[worst]:.3g} "
-            f"(problem {worst} {where}"
+            f"(problem {worst} {where}{allows}"
         )
     lowest = np.linalg.eigvalsh(0.5 * (G + G.transpose(0, 2, 1)))[:, 0]
     worst = int(lowest.argmin())
     raise ValueError(
         f"G is not positive semidefinite: smallest eigenvalue / max_i G_ii = {lowest[worst]:.3g} "
-        f"(problem {worst} {where}"
+        f"(problem {worst} {where}{allows}"
     )
 
 
@@ -328,16 +512,30 @@ def _gap(G: np.ndarray, alpha: np.ndarray) -> tuple[np.ndarray, np.ndarray]:
     return np.maximum(value - g.min(axis=-1), 0.0), value
 
 
-def _status(method: str, kkt: np.ndarray, tol: float, max_iter: int) -> tuple[str, str]:
-    if kkt.max() <= tol:
+def _status(
+    method: str, kkt: np.ndarray, precision: _Precision, tol: float, max_iter: int
+) -> tuple[str, str]:
+    if not precision.below_float64 and kkt.max() <= tol:
         return "success", ""
-    failed = int((kkt > tol).sum())
+    certified = _certified(precision, tol)
+    known = f"a {precision.name} G is known only to K * eps = {precision.allowance:.2g}"
+    if kkt.max() <= certified:
+        return (
+            "success",
+            f"certified to kkt <= {certified:.2g} of max_i G_ii: {known}" if precision.below_float64 else "",
+        )
+    failed = int((kkt > certified).sum())
+    if precision.below_float64:
+        target = f"tol={tol:g} + {precision.allowance:.2g} ({known} of max_i G_ii)"
+        exact = f"raise tol or max_iter, or pass G in float64 if it holds more digits than {precision.dtype}"
+    else:
+        target, exact = f"tol={tol:g}", "G is likely ill-conditioned beyond float64; raise tol or max_iter"
     advice = {
-        "exact": "G is likely ill-conditioned beyond float64; raise tol or max_iter",
+        "exact": exact,
         "frank_wolfe": "raise max_iter, loosen tol, or use method='exact'",
         "qpth": "raise max_iter, loosen tol, or use method='exact'",
     }[method]
     return "max_iter", (
-        f"{method} did not reach tol={tol:g} on {failed} of {kkt.size} problem(s) "
+        f"{method} did not reach {target} on {failed} of {kkt.size} problem(s) "
         f"within max_iter={max_iter} (worst KKT violation {kkt.max():.3g}): {advice}"
     )

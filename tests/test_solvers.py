@@ -259,3 +259,122 @@ def test_unconverged_solve_raises_with_advice_or_reports_status():
     assert result.status == "max_iter"
     assert "frank_wolfe did not reach tol=1e-08 on 1 of 1 problem(s)" in result.message
     assert float(result.kkt) > 1e-8
+
+
+DTYPES = (torch.float64, torch.float32, torch.bfloat16, torch.float16)
+SIZES = (2, 3, 5, 8, 13, 32, 64, 100)
+
+
+def documented_tolerance(dtype: torch.dtype, K: int, tol: float = 1e-12) -> float:
+    """What min_norm's docstring certifies: tol, plus rho = K * eps(dtype) below float64."""
+    return tol if dtype == torch.float64 else tol + K * torch.finfo(dtype).eps
+
+
+@st.composite
+def problems_in(draw: st.DrawFn, dtype: torch.dtype) -> torch.Tensor:
+    """The Gram matrix of a family's gradients, rounded to ``dtype``, with its largest diagonal
+    entry at a power of ten that ``dtype`` holds with room (1e-2..1e2 for float16)."""
+    family = draw(st.sampled_from(sorted(FAMILIES)))
+    K = draw(st.sampled_from(SIZES))
+    _, G = gradient_family(family, K, dim=draw(st.integers(1, 96)), seed=draw(st.integers(0, 2**31 - 1)))
+    span = 2 if dtype == torch.float16 else 30
+    G = G / max_diag(G) * 10.0 ** draw(st.integers(-span, span))
+    return G.to(dtype)
+
+
+def assert_certified_to_the_documented_tolerance(G: torch.Tensor) -> None:
+    """min_norm on ``G`` (of any dtype) succeeds, and its alpha is optimal on ``G`` as given to
+    the documented tolerance, checked independently of ``result.kkt``."""
+    dtype, K = G.dtype, G.shape[0]
+    result = mogo.min_norm(G)
+    bound = documented_tolerance(dtype, K)
+    eps = torch.finfo(dtype).eps
+    assert result.status == "success"
+    assert float(result.kkt) <= bound * (1 + eps)  # kkt itself is rounded to the dtype
+    # Independently, on the matrix as given: rounding alpha to the dtype moves each (G alpha)_i
+    # by up to eps/2 max_i G_ii and alpha^T G alpha by up to eps, hence 2 eps more.
+    G64, alpha = G.to(torch.float64), result.alpha.to(torch.float64)
+    assert_min_norm_optimal(G64, alpha, tol=bound + 2 * eps)
+    value = float(alpha @ G64 @ alpha)
+    assert abs(float(result.value) - value) <= 2 * eps * max_diag(G64)
+    if dtype != torch.float64:
+        assert f"{K} x {K} {str(dtype).removeprefix('torch.')}" in result.message
+
+
+@pytest.mark.parametrize("dtype", DTYPES, ids=str)
+@given(data=st.data())
+def test_every_family_in_every_dtype_is_solved_to_the_documented_tolerance(dtype, data):
+    assert_certified_to_the_documented_tolerance(data.draw(problems_in(dtype)))
+
+
+@pytest.mark.parametrize("dtype", DTYPES, ids=str)
+@pytest.mark.parametrize("family", sorted(FAMILIES))
+def test_every_family_dtype_and_size_of_issue_18(family, dtype):
+    # The grid of issue 18, each cell solved: the Gram matrix rounded to the dtype, and formed
+    # in it from gradients in it (unit largest norm, so that float16 holds every entry).
+    for K in SIZES:
+        J, G = gradient_family(family, K, seed=K)
+        J = (J / J.norm(dim=1).max()).to(dtype)
+        assert_certified_to_the_documented_tolerance((G / max_diag(G)).to(dtype))
+        assert_certified_to_the_documented_tolerance(J @ J.T)
+
+
+@pytest.mark.parametrize(("K", "D"), [(10, 3), (200, 50)])
+def test_float32_gram_of_more_objectives_than_dimensions_is_certified(K, D):
+    # Issue 18: float32 J @ J.T raised SolverError at 12 of 20 seeds (K=10, D=3), 20 of 20 (K=200).
+    for seed in range(20):
+        J = torch.randn(K, D, generator=torch.Generator().manual_seed(seed))
+        G = J @ J.T  # computed in float32, its negative eigenvalues at float32 round-off
+        result = mogo.min_norm(G)
+        assert result.status == "success"
+        assert "certified to kkt <= " in result.message
+        assert float(result.kkt) <= documented_tolerance(torch.float32, K)
+        assert_min_norm_optimal(G, result.alpha, tol=documented_tolerance(torch.float32, K) + 1e-6)
+
+
+def indefinite(K: int, lowest: float, seed: int = 0) -> torch.Tensor:
+    """Q diag(lowest, 1, ..., 1) Q^T in float64: max_i G_ii is about 1."""
+    Q, _ = torch.linalg.qr(
+        torch.randn(K, K, generator=torch.Generator().manual_seed(seed), dtype=torch.float64)
+    )
+    eigenvalues = torch.ones(K, dtype=torch.float64)
+    eigenvalues[0] = lowest
+    return (Q * eigenvalues) @ Q.T
+
+
+@pytest.mark.parametrize(
+    ("G", "match"),
+    [
+        # Issue 18: each was accepted (or raised SolverError) under the allowance 100 K eps(dtype).
+        (torch.tensor([[1.0, 2.0], [2.0, 1.0]]).bfloat16(), r"smallest eigenvalue / max_i G_ii = -1\b"),
+        (torch.tensor([[1.0, 0.8], [0.0, 1.0]]).bfloat16(), "not symmetric"),
+        (indefinite(200, -1e-3).float(), "round-off in a 200 x 200 float32 G allows 2.4e-05"),
+        (indefinite(11, -1.0).half(), "round-off in a 11 x 11 float16 G allows 0.011"),
+    ],
+    ids=["bfloat16 indefinite", "bfloat16 asymmetric", "float32 K=200", "float16 K=11"],
+)
+def test_low_precision_allowance_is_k_eps_not_100_k_eps(G, match):
+    with pytest.raises(ValueError, match=match):
+        mogo.min_norm(G)
+
+
+def test_low_precision_messages_name_the_dtype_not_float64():
+    _, G = gradient_family("gaussian", 8, dim=10, seed=5)
+    result = mogo.min_norm(G.float(), max_iter=1, throw=False)
+    assert result.status == "max_iter"
+    assert "float64" not in result.message.replace("pass G in float64", "")
+    assert "tol=1e-12 + 9.5e-07 (a 8 x 8 float32 G is known only to K * eps = 9.5e-07" in result.message
+    assert mogo.min_norm(G).message == ""
+    assert mogo.min_norm(G.float()).message == (
+        "certified to kkt <= 9.5e-07 of max_i G_ii: a 8 x 8 float32 G is known only to K * eps = 9.5e-07"
+    )
+
+
+@pytest.mark.parametrize("K", [2, 12])  # the single-problem path counts small K in Python
+@pytest.mark.parametrize(("i", "j"), [(0, 0), (1, 1), (0, 1)])
+@pytest.mark.parametrize("bad", [float("nan"), float("inf")])
+def test_nan_or_inf_anywhere_raises_value_error_without_warnings(K, i, j, bad):
+    G = torch.eye(K, dtype=torch.float64)
+    G[i, j] = G[j, i] = bad  # symmetric Infs subtract to NaN: no warning may escape (pyproject)
+    with pytest.raises(ValueError, match="NaN or Inf"):
+        mogo.min_norm(G)
