@@ -84,6 +84,8 @@ def main(argv: list[str] | None = None) -> dict:
         trainer.prompts = PromptSet(trainer.prompts.prompts[:1], trainer.prompts.metadata[:1])
     started = time.perf_counter()
     grads = batch_gradients(trainer, args.batches, args.timesteps)
+    if not np.linalg.norm(grads, axis=1).all():
+        parser.error("a batch's gradient is zero (every image of a group scored alike): use larger --group")
     result = {
         **vars(args),
         "out": None if args.out is None else str(args.out),

@@ -98,3 +98,21 @@ def test_step_benchmark_breakdown_times_every_mogo_range():
     for label in ("mogo full, batched", "mogo full, sequential"):
         assert set(table[label]) == set(step.RANGES)
         assert all(milliseconds > 0 for milliseconds in table[label].values())
+
+
+def test_gradient_agreement_measures_cosines_between_independent_batch_gradients(tmp_path):
+    benchmark = load(ROOT / "benchmarks" / "gradient_agreement.py")
+    same = benchmark.agreement(torch.tensor([[1.0, 2.0], [2.0, 4.0], [3.0, 6.0]]).numpy())
+    assert same["mean_cosine"] == pytest.approx(1.0)
+    assert same["std_cosine"] == pytest.approx(0.0, abs=1e-12)
+    crossed = benchmark.agreement(torch.tensor([[1.0, 0.0], [0.0, 1.0], [-1.0, 0.0]]).numpy())
+    assert (crossed["min_cosine"], crossed["max_cosine"]) == pytest.approx((-1.0, 0.0))
+    out = tmp_path / "agreement.json"
+    options = {"--reward": "jpeg_compressibility", "--prompts": "1", "--group": "2", "--batches": "2"}
+    result = benchmark.main(
+        [*(x for pair in options.items() for x in pair), "--timesteps", "1", "--out", str(out)]
+    )
+    assert out.is_file()
+    assert result["images_per_batch"] == 2
+    assert all(norm > 0 for norm in result["gradient_norms"])  # the zero adapter's NFT gradient is not 0
+    assert -1 <= result["mean_cosine"] <= 1
