@@ -16,6 +16,8 @@ is evaluated on the same held-out prompts and noise
     marble_n10             MARBLE amortized: alpha re-solved every 10 steps, EMA 0.9 in between,
                            estimated on the first trained timestep of each step's window
     marble_n10_window      the same, alpha estimated on the whole window (K gradient buffers)
+    upgrad_n10, cagrad_n10 UPGrad and CAGrad (mogo.WEIGHTINGS) amortized as marble_n10; any
+                           registered weighting runs as the arm <name>_n10
 
 Each run is a ``python -m mogo_diffusion.train --config`` subprocess (``--jobs`` at a time, one
 thread each) in ``OUT/runs/<arm>/seed<s>``; a finished run is not rerun, so an interrupted
@@ -43,6 +45,7 @@ from typing import Any
 
 from tqdm.auto import tqdm
 
+import mogo
 from mogo_diffusion.config import Config
 from mogo_diffusion.evaluate import composite_zscores, read_metrics, reward_zscores
 from mogo_diffusion.shapes.recipe import REWARDS, shapes_config
@@ -66,7 +69,13 @@ def arms(rewards: Sequence[str] = REWARDS) -> list[str]:
         "marble_n1",
         "marble_n10",
         "marble_n10_window",
+        *(f"{name}_n10" for name in WEIGHTING_ARMS if name in mogo.WEIGHTINGS),
     ]
+
+
+WEIGHTING_ARMS = ("upgrad", "cagrad")
+"""The other conflict-aware weightings in the default arms, amortized as ``marble_n10`` is
+(``<name>_n10``: re-solved every 10 steps, EMA 0.9); any registered weighting runs as an arm by name."""
 
 
 EPOCHS = 20
@@ -95,10 +104,21 @@ def arm_config(arm: str, seed: int, out: Path, *, epochs: int = EPOCHS, quick: b
     elif arm in ("marble_n10", "marble_n10_window"):
         estimate = "window" if arm.endswith("window") else "first"
         strategy = {"name": "marble", "harmonize_every": 10, "alpha_ema": 0.9, "estimate": estimate}
+    elif _weighting_arm(arm):
+        strategy = {"name": arm.removesuffix("_n10"), "harmonize_every": 10, "alpha_ema": 0.9}
     else:
-        raise ValueError(f"unknown arm {arm!r}; arms: base, {', '.join(arms())}")
+        raise ValueError(
+            f"unknown arm {arm!r}; arms: base, {', '.join(arms())}, or <weighting>_n10 for a weighting "
+            f"of mogo.WEIGHTINGS ({', '.join(sorted(set(mogo.WEIGHTINGS) - {'weighted_sum'}))})"
+        )
     data["strategy"] = strategy  # each strategy's own record, its other fields at their defaults
     return Config.from_dict(data)
+
+
+def _weighting_arm(arm: str) -> bool:
+    """Whether ``arm`` is ``<name>_n10`` for a weighting of :data:`mogo.WEIGHTINGS`."""
+    name = arm.removesuffix("_n10")
+    return arm.endswith("_n10") and name in mogo.WEIGHTINGS and name != "weighted_sum"
 
 
 def _finished(run: Path, epochs: int) -> bool:
@@ -206,10 +226,10 @@ def tables(summary: dict) -> list[list[list[str]]]:
         rewards.append([arm, *(_cell(row[n]) for n in names), _cell(row["composite"], 2), ratio_text])
     conflicts = [
         [
-            "MARBLE arm",
+            "harmonized arm",
             "conflict rate of the weighted-sum direction",
             "worst cosine, weighted sum",
-            "worst cosine, MARBLE",
+            "worst cosine, the arm's direction",
         ]
     ]
     for arm, row in summary["arms"].items():
@@ -254,7 +274,11 @@ def _figures(summary: dict, records: dict[str, dict[int, list[dict]]], out: Path
     means = {arm: [row[n][0] for n in names] for arm, row in rows.items()}
     z = reward_zscores(means)
     colors = {
-        arm: "tab:red" if arm.startswith("marble") else "tab:gray" if arm == "base" else "tab:blue"
+        arm: "tab:red"
+        if arm.startswith("marble") or _weighting_arm(arm)
+        else "tab:gray"
+        if arm == "base"
+        else "tab:blue"
         for arm in rows
     }
 
@@ -288,7 +312,7 @@ def _figures(summary: dict, records: dict[str, dict[int, list[dict]]], out: Path
     plt.close(figure)
 
     # Alpha trajectories of the MARBLE arms (first seed).
-    marble = [arm for arm in records if arm.startswith("marble")]
+    marble = [arm for arm in records if arm.startswith("marble") or _weighting_arm(arm)]
     if marble:
         figure, axes = plt.subplots(1, len(marble), figsize=(4.6 * len(marble), 3.4), squeeze=False)
         for axis, arm in zip(axes[0], marble, strict=True):
@@ -327,7 +351,7 @@ def main(argv: list[str] | None = None) -> dict:
     parser = _parser()
     args = parser.parse_args(argv)
     chosen = arms() if args.arms is None else [a for a in args.arms.split(",") if a]
-    unknown = [a for a in chosen if a not in arms()]
+    unknown = [a for a in chosen if a not in arms() and not _weighting_arm(a)]
     if unknown:
         parser.error(f"unknown arms {unknown}; arms: {', '.join(arms())}")
     if args.tradeoff not in REWARDS:

@@ -41,8 +41,16 @@ def test_arms_differ_only_in_their_strategy(tmp_path):
     assert configs["weighted_sum_z"].strategy.reward_scale == "zscore"
     assert configs["marble_n10_window"].strategy.estimate == "window"
     assert configs["marble_n10"].strategy.estimate == "first"
+    any_weighting = compare.arm_config("min_norm_n10", 0, tmp_path).strategy  # by its registry name
+    assert (any_weighting.name, any_weighting.harmonize_every, any_weighting.alpha_ema) == (
+        "min_norm",
+        10,
+        0.9,
+    )
     with pytest.raises(ValueError, match="unknown arm 'best'"):
         compare.arm_config("best", 0, tmp_path)
+    with pytest.raises(ValueError, match="unknown arm 'weighted_sum_n10'"):  # the trainer's own baseline
+        compare.arm_config("weighted_sum_n10", 0, tmp_path)
 
 
 def test_quick_comparison_writes_the_table_and_figures(tmp_path):
