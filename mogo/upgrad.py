@@ -1,0 +1,70 @@
+"""UPGrad: the mean of the gradients' projections onto their dual cone.
+
+Quinton & Rey (2024), "Jacobian Descent for Multi-Objective Optimization", arXiv:2406.16232.
+Each gradient ``g_i`` is projected onto the dual cone ``{d : <g_k, d> >= 0 for all k}`` and the
+projections are averaged:
+
+.. math::
+
+    d = \\frac{1}{K} \\sum_i \\pi(g_i) = J^\\top w, \\qquad
+    w = \\frac{1}{K} \\sum_i v^{(i)}, \\qquad v^{(i)} = \\arg\\min_{v \\ge e_i} v^\\top G v.
+
+``d`` opposes no gradient (``J d >= 0``: it lies in the cone), equals the mean gradient when no
+pair conflicts (each ``g_i`` already lies in the cone), and depends on the gradients' norms
+only through the projections, so it does not lean toward the most opposed objective as the
+min-norm point does. The K projections are solved exactly, in one batch, by
+:func:`mogo.project_dual_cone`.
+"""
+
+from __future__ import annotations
+
+from torch import Tensor
+
+from mogo.dual_cone import DEFAULT_TOL, project_dual_cone
+from mogo.gram import normalize_gram
+from mogo.weighting import Certificate, Weights
+
+__all__ = ["UPGrad"]
+
+
+class UPGrad:
+    """UPGrad weighting (Quinton & Rey 2024), solved exactly.
+
+    Loss weights are ``w_k = s alpha_k / ||g_k||`` with ``s alpha_k = (1/K) sum_i ||g_i|| u^(i)_k``,
+    where ``u^(i) = argmin_{u >= e_i} u^T Gu u`` are the projections on the Gram matrix ``Gu`` of the
+    unit gradients (the same problem, well scaled): ``alpha`` is on the simplex, and ``s`` is the
+    mean gradient norm when nothing conflicts. Gradients with a norm
+    below ``1e-10`` of the largest count as zero (as in :func:`mogo.normalize_gram`): they
+    constrain nothing and get weight 0 (TorchJD gives them ``1/K``, which moves no direction).
+    ``solve`` is a :class:`mogo.Certificate`: the most linear solves of any projection and the
+    worst KKT violation (:class:`mogo.DualConeResult`).
+
+    Args:
+        tol: KKT tolerance of the projections.
+
+    Example:
+        >>> import torch, mogo
+        >>> J = torch.tensor([[1.0, 0.0], [-1.0, 1.0]], dtype=torch.float64)
+        >>> w = mogo.UPGrad()(J @ J.T, torch.ones(2)).loss_weights
+        >>> w
+        tensor([1.0000, 0.7500], dtype=torch.float64)
+        >>> J @ (w @ J)  # no gradient is opposed
+        tensor([0.2500, 0.5000], dtype=torch.float64)
+    """
+
+    def __init__(self, *, tol: float = DEFAULT_TOL) -> None:
+        if not tol > 0:
+            raise ValueError(f"tol must be positive, got {tol}")
+        self.tol = tol
+
+    def __call__(self, gram: Tensor, losses: Tensor) -> Weights:
+        normalized = normalize_gram(gram, "l2")
+        result = project_dual_cone(normalized.gram, tol=self.tol)
+        norms = normalized.scale[normalized.active]
+        # v^(i) >= ||g_i|| e_i in unit coordinates, by homogeneity ||g_i|| times the solve's rows.
+        combination = normalized.expand(norms @ result.weights) / gram.shape[-1]
+        certificate = Certificate(result.iterations.max(), result.kkt.max(), result.status, result.message)
+        return Weights.from_combination(combination, normalized.scale, certificate)
+
+    def __repr__(self) -> str:
+        return f"UPGrad(tol={self.tol!r})"
