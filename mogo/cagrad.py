@@ -30,7 +30,7 @@ import torch
 from scipy.optimize import brentq
 from torch import Tensor
 
-from mogo.gram import host_float64
+from mogo.gram import _nearest_psd, host_float64
 from mogo.solvers import min_norm
 from mogo.weighting import Certificate, Weights
 
@@ -104,7 +104,9 @@ def cagrad_weights(G: np.ndarray, c: float) -> tuple[np.ndarray, int, float]:
     def inner(tau: float) -> np.ndarray:
         nonlocal solves
         solves += 1
-        shifted = G + tau * (b[:, None] + b[None, :]) + tau**2 * g0_sq
+        # The Gram matrix of g_i + tau g0; where those points nearly cancel, forming it from G
+        # leaves round-off negative eigenvalues, which are clipped.
+        shifted = _nearest_psd(G + tau * (b[:, None] + b[None, :]) + tau**2 * g0_sq)
         return min_norm(shifted, throw=False).alpha.numpy()
 
     def psi(tau: float) -> float:
