@@ -26,7 +26,7 @@ import torch
 from scipy.linalg.lapack import dposv
 from torch import Tensor
 
-from mogo.gram import normalize_gram
+from mogo.gram import ZERO_RTOL, normalize_gram
 from mogo.solvers import min_norm
 from mogo.weighting import Certificate, Weights
 
@@ -41,13 +41,14 @@ class NashMTL:
     (an aggregator on the Jacobian, not a Gram weighting) reaches the same point by the paper's
     sequential convex approximation (20 cvxpy/ECOS solves, warm-started from its previous call, so
     its answer depends on its history); here the answer is the exact one every time. Gradients
-    with a norm below ``1e-10`` of the largest count as zero and get weight 0 (with them in,
-    no solution would exist). ``solve`` is a :class:`mogo.Certificate` (Newton steps, residual).
+    with a norm at most ``rtol`` times the largest count as zero and get weight 0 (with an exact
+    zero in, no solution would exist). ``solve`` is a :class:`mogo.Certificate` (Newton steps, residual).
 
     Args:
         max_norm: clip ``||d||`` to this (the paper's and TorchJD's default 1.0); 0 disables.
         tol: residual tolerance of ``beta_i (Gu beta)_i = 1``.
         max_iter: Newton steps.
+        rtol: gradients with a norm at most this times the largest count as zero.
 
     Example:
         >>> import torch, mogo
@@ -57,17 +58,21 @@ class NashMTL:
         tensor([1.0000, 0.5000], dtype=torch.float64)
     """
 
-    def __init__(self, *, max_norm: float = 1.0, tol: float = 1e-12, max_iter: int = 100) -> None:
+    def __init__(
+        self, *, max_norm: float = 1.0, tol: float = 1e-12, max_iter: int = 100, rtol: float = ZERO_RTOL
+    ) -> None:
         if not (np.isfinite(max_norm) and max_norm >= 0):
             raise ValueError(f"max_norm must be a finite number >= 0, got {max_norm}")
         if not tol > 0:
             raise ValueError(f"tol must be positive, got {tol}")
         if max_iter < 1:
             raise ValueError(f"max_iter must be at least 1, got {max_iter}")
-        self.max_norm, self.tol, self.max_iter = float(max_norm), float(tol), int(max_iter)
+        if not 0 <= rtol < 1:
+            raise ValueError(f"rtol must be in [0, 1), got {rtol}")
+        self.max_norm, self.tol, self.max_iter, self.rtol = float(max_norm), float(tol), int(max_iter), rtol
 
     def __call__(self, gram: Tensor, losses: Tensor) -> Weights:
-        normalized = normalize_gram(gram, "l2")
+        normalized = normalize_gram(gram, "l2", rtol=self.rtol)
         unit = normalized.gram.cpu().numpy()
         A = unit.shape[0]
         if float(min_norm(unit).value) <= 100 * A * np.finfo(np.float64).eps:  # 0 in the hull
@@ -91,7 +96,10 @@ class NashMTL:
         return Weights.from_combination(combination, normalized.scale, certificate)
 
     def __repr__(self) -> str:
-        return f"NashMTL(max_norm={self.max_norm!r}, tol={self.tol!r}, max_iter={self.max_iter!r})"
+        return (
+            f"NashMTL(max_norm={self.max_norm!r}, tol={self.tol!r}, max_iter={self.max_iter!r}, "
+            f"rtol={self.rtol!r})"
+        )
 
 
 def nash_point(G: np.ndarray, tol: float, max_iter: int) -> tuple[np.ndarray, int, float]:

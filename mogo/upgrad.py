@@ -21,7 +21,7 @@ from __future__ import annotations
 from torch import Tensor
 
 from mogo.dual_cone import DEFAULT_TOL, project_dual_cone
-from mogo.gram import normalize_gram
+from mogo.gram import ZERO_RTOL, normalize_gram
 from mogo.weighting import Certificate, Weights
 
 __all__ = ["UPGrad"]
@@ -33,14 +33,16 @@ class UPGrad:
     Loss weights are ``w_k = s alpha_k / ||g_k||`` with ``s alpha_k = (1/K) sum_i ||g_i|| u^(i)_k``,
     where ``u^(i) = argmin_{u >= e_i} u^T Gu u`` are the projections on the Gram matrix ``Gu`` of the
     unit gradients (the same problem, well scaled): ``alpha`` is on the simplex, and ``s`` is the
-    mean gradient norm when nothing conflicts. Gradients with a norm
-    below ``1e-10`` of the largest count as zero (as in :func:`mogo.normalize_gram`): they
-    constrain nothing and get weight 0 (TorchJD gives them ``1/K``, which moves no direction).
+    mean gradient norm when nothing conflicts. Gradients with a norm at
+    most ``rtol`` times the largest count as zero (as in :func:`mogo.normalize_gram`): they
+    constrain nothing and get weight 0 (TorchJD keeps every gradient, and gives an exact zero
+    ``1/K``, which moves no direction; ``rtol=0`` does the same but for that weight).
     ``solve`` is a :class:`mogo.Certificate`: the most linear solves of any projection and the
     worst KKT violation (:class:`mogo.DualConeResult`).
 
     Args:
         tol: KKT tolerance of the projections.
+        rtol: gradients with a norm at most this times the largest count as zero.
 
     Example:
         >>> import torch, mogo
@@ -52,13 +54,15 @@ class UPGrad:
         tensor([0.2500, 0.5000], dtype=torch.float64)
     """
 
-    def __init__(self, *, tol: float = DEFAULT_TOL) -> None:
+    def __init__(self, *, tol: float = DEFAULT_TOL, rtol: float = ZERO_RTOL) -> None:
         if not tol > 0:
             raise ValueError(f"tol must be positive, got {tol}")
-        self.tol = tol
+        if not 0 <= rtol < 1:
+            raise ValueError(f"rtol must be in [0, 1), got {rtol}")
+        self.tol, self.rtol = tol, rtol
 
     def __call__(self, gram: Tensor, losses: Tensor) -> Weights:
-        normalized = normalize_gram(gram, "l2")
+        normalized = normalize_gram(gram, "l2", rtol=self.rtol)
         result = project_dual_cone(normalized.gram, tol=self.tol)
         norms = normalized.scale[normalized.active]
         # v^(i) >= ||g_i|| e_i in unit coordinates, by homogeneity ||g_i|| times the solve's rows.
@@ -67,4 +71,4 @@ class UPGrad:
         return Weights.from_combination(combination, normalized.scale, certificate)
 
     def __repr__(self) -> str:
-        return f"UPGrad(tol={self.tol!r})"
+        return f"UPGrad(tol={self.tol!r}, rtol={self.rtol!r})"
