@@ -105,7 +105,8 @@ def project_dual_cone(
     work, scale = _prepare(host.numpy().reshape(-1, K, K), _round_off(G.dtype, K))
     N = len(work)
     if U is None:
-        U_host = np.eye(K)[None]
+        eye = np.eye(K)
+        U_host = eye[None]
     else:
         U_t = torch.as_tensor(U).detach().to(device="cpu", dtype=torch.float64)
         if U_t.ndim < 1 or U_t.shape[-1] != K:
@@ -126,14 +127,29 @@ def project_dual_cone(
     diag = np.sqrt(np.maximum(work.diagonal(axis1=1, axis2=2), 0.0))
     D = np.where(diag > 0, diag, 1.0)
     unit = work / (D[:, :, None] * D[:, None, :])
-    unit_u = (U_host * D[:, None, :]).reshape(N * M, K)
     stacked = unit if M == 1 or N == 1 else np.repeat(unit, M, axis=0)  # one G broadcasts over M
-    v_hat, g, passive, iterations = _lawson_hanson(stacked, unit_u, tol, max_iter)
+    if U is None:
+        # u_hat = D_i e_i; by homogeneity solve for e_i (rhs: -G e_i, a row of G) and scale by D_i
+        unit_u = eye if N == 1 else np.tile(eye, (N, 1))
+        row_scale = D.reshape(N * K, 1)
+        rhs = -unit.reshape(N * K, K)
+        size = np.ones(N * K)
+    else:
+        unit_u = (U_host * D[:, None, :]).reshape(N * M, K)
+        row_scale = np.ones((N * M, 1))
+        rhs = -np.matmul(stacked, unit_u[:, :, None])[:, :, 0]
+        size = np.abs(unit_u).sum(axis=-1)
+    x, g, passive, iterations = _lawson_hanson(stacked, rhs, size, tol, max_iter)
     violation = np.maximum(np.where(passive, np.abs(g), -g).max(axis=-1), 0.0)
-    size = np.abs(unit_u).sum(axis=-1) + np.abs(v_hat - unit_u).sum(axis=-1)
-    kkt = np.divide(violation, size, out=np.zeros_like(size), where=size > 0)
-    value = np.maximum((v_hat * g).sum(axis=-1), 0.0).reshape(N, M) * scale[:, None]
-    v = U_host + (v_hat - unit_u).reshape(N, M, K) / D[:, None, :]  # v >= u exactly
+    size = size + x.sum(axis=-1)  # ||u_hat||_1 + ||v_hat - u_hat||_1
+    kkt = (
+        violation / size
+        if size.min() > 0
+        else np.divide(violation, size, out=np.zeros_like(size), where=size > 0)
+    )
+    value = (((unit_u + x) * g).sum(axis=-1) * row_scale[:, 0] ** 2).reshape(N, M)
+    value = np.maximum(value, 0.0) * scale[:, None]
+    v = U_host + (x * row_scale).reshape(N, M, K) / D[:, None, :]  # v >= u exactly
     failed = int((kkt > tol).sum())
     status, message = "success", ""
     if failed:
@@ -175,27 +191,25 @@ def _solve_passive(G: np.ndarray, rhs: np.ndarray, passive: np.ndarray) -> np.nd
 
 
 def _lawson_hanson(
-    G: np.ndarray, u: np.ndarray, tol: float, max_iter: int
+    G: np.ndarray, rhs: np.ndarray, size: np.ndarray, tol: float, max_iter: int
 ) -> tuple[np.ndarray, np.ndarray, np.ndarray, np.ndarray]:
-    """``min_{v >= u} v^T G v`` for a stack: ``G`` (B, K, K) unit-diagonal PSD, ``u`` (B, K).
+    """``min_{x >= 0} (u + x)^T G (u + x)`` for a stack: ``G`` (B, K, K) unit-diagonal PSD (or one
+    ``(1, K, K)`` for all), ``rhs = -G u`` (B, K), ``size = ||u||_1`` (B,).
 
-    Returns ``v`` (B, K), ``G v`` (B, K), the passive sets ``v > u`` (B, K) and the linear solves
-    per problem (B,). In ``x = v - u >= 0`` the
-    stationarity condition on the passive set is ``G_PP x_P = -(G u)_P``. The first passive set
-    holds every violated constraint at ``x = 0`` (for UPGrad: the gradients that conflict with
-    ``g_i``), which is often the optimal one; where its solution is not positive, its positive
-    part is a feasible start for the minor cycles.
+    Returns ``x`` (B, K), ``g = G (u + x)`` (B, K), the passive sets ``x > 0`` (B, K) and the linear
+    solves per problem (B,). The stationarity condition on the passive set is
+    ``G_PP x_P = rhs_P``. The first passive set holds every violated constraint at ``x = 0`` (for
+    UPGrad: the gradients that conflict with ``g_i``), which is often the optimal one; where its
+    solution is not positive, its positive part is a feasible start for the minor cycles.
     """
-    B, K = u.shape
+    B, K = rhs.shape
     rows = np.arange(B)
-    rhs = -np.matmul(G, u[:, :, None])[:, :, 0]
-    size = np.abs(u).sum(axis=-1)
     passive = rhs > tol * size[:, None]
     done = ~passive.any(axis=-1)
     x = np.zeros((B, K))
     iterations = np.zeros(B, dtype=np.int64)
     if done.all():
-        return u, -rhs, passive, iterations
+        return x, -rhs, passive, iterations
     z = _solve_passive(G, rhs, passive)
     iterations += ~done
     positive = (z > 0) | ~passive
@@ -204,14 +218,13 @@ def _lawson_hanson(
     x = np.where(passive, z, 0.0)
     for _ in range(max_iter - 1):
         # Major cycle: add the most violated constraint, or stop.
-        v = u + x
-        g = np.matmul(G, v[:, :, None])[:, :, 0]
+        g = np.matmul(G, x[:, :, None])[:, :, 0] - rhs
         masked = np.where(passive, np.inf, g)
         j = masked.argmin(axis=-1)
         major = interior & ~done
         done |= major & ~(masked[rows, j] < -tol * (size + x.sum(axis=-1)))
         if done.all():
-            return v, g, passive, iterations
+            return x, g, passive, iterations
         grow = major & ~done
         passive[rows, j] |= grow
         # Minor cycle: the passive set's minimiser, or a step back to the first coordinate it
@@ -237,5 +250,4 @@ def _lawson_hanson(
             stepped[rows[blocked], leaving[blocked]] = 0.0
             passive &= stepped > 0
             x = np.where(passive, stepped, 0.0)
-    v = u + x
-    return v, np.matmul(G, v[:, :, None])[:, :, 0], passive, iterations
+    return x, np.matmul(G, x[:, :, None])[:, :, 0] - rhs, passive, iterations

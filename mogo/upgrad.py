@@ -18,10 +18,11 @@ min-norm point does. The K projections are solved exactly, in one batch, by
 
 from __future__ import annotations
 
+import numpy as np
 from torch import Tensor
 
 from mogo.dual_cone import DEFAULT_TOL, project_dual_cone
-from mogo.gram import ZERO_RTOL, normalize_gram
+from mogo.gram import ZERO_RTOL, gradient_norms, host_float64, nonzero_gradients
 from mogo.weighting import Certificate, Weights
 
 __all__ = ["UPGrad"]
@@ -62,13 +63,22 @@ class UPGrad:
         self.tol, self.rtol = tol, rtol
 
     def __call__(self, gram: Tensor, losses: Tensor) -> Weights:
-        normalized = normalize_gram(gram, "l2", rtol=self.rtol)
-        result = project_dual_cone(normalized.gram, tol=self.tol)
-        norms = normalized.scale[normalized.active]
-        # v^(i) >= ||g_i|| e_i in unit coordinates, by homogeneity ||g_i|| times the solve's rows.
-        combination = normalized.expand(norms @ result.weights) / gram.shape[-1]
+        G = host_float64(gram)
+        K = G.shape[0]
+        norms = gradient_norms(G)
+        if not norms.max() > 0:
+            raise ValueError(f"every one of the {K} gradients is zero: UPGrad has no direction")
+        active = nonzero_gradients(norms, self.rtol)
+        if not active.all():
+            G, norms = G[np.ix_(active, active)], norms[active]
+        # The K projections on the unit gradients' Gram matrix: the same problem, well scaled.
+        result = project_dual_cone(G / np.outer(norms, norms), tol=self.tol)
+        # v^(i) >= ||g_i|| e_i in those coordinates: by homogeneity ||g_i|| times the solve's rows.
+        combination = np.zeros(K)
+        combination[active] = norms @ result.weights.numpy() / K
+        divisor = np.where(active, gradient_norms(host_float64(gram)), 1.0)
         certificate = Certificate(result.iterations.max(), result.kkt.max(), result.status, result.message)
-        return Weights.from_combination(combination, normalized.scale, certificate)
+        return Weights.from_combination(combination, divisor, certificate, device=gram.device)
 
     def __repr__(self) -> str:
         return f"UPGrad(tol={self.tol!r}, rtol={self.rtol!r})"

@@ -15,6 +15,7 @@ from __future__ import annotations
 from dataclasses import dataclass
 from typing import Literal, NamedTuple, Protocol
 
+import numpy as np
 import torch
 from torch import Tensor
 
@@ -69,20 +70,32 @@ class Weights:
 
     @classmethod
     def from_combination(
-        cls, combination: Tensor, divisor: Tensor | None = None, solve: Certificate | None = None
+        cls,
+        combination: Tensor | np.ndarray,
+        divisor: Tensor | np.ndarray | None = None,
+        solve: Certificate | None = None,
+        *,
+        device: torch.device | str | None = None,
     ) -> Weights:
-        """The weights with loss weights ``w = combination / divisor``, split as
+        """The weights ``w = combination / divisor``, that is ``d = sum_k combination_k g_k / c_k``:
         ``s = sum_k |combination_k|`` and ``alpha = combination / s`` (uniform when ``s = 0``).
 
-        ``combination`` ``(K,)`` is the direction's coefficients on the gradients divided by
-        ``divisor`` (``(K,)``, default 1): ``d = sum_k combination_k g_k / divisor_k``.
+        Args:
+            combination: ``(K,)`` the coefficients on the divided gradients ``g_k / c_k``.
+            divisor: ``(K,)`` ``c_k``, default 1.
+            solve: the weighting's :class:`Certificate`, if it solved anything.
+            device: where the tensors go (default: ``combination``'s device, the CPU for numpy).
         """
-        combination = combination.to(torch.float64)
-        total = combination.abs().sum()
-        K = combination.shape[-1]
-        alpha = combination / total if bool(total > 0) else torch.full_like(combination, 1.0 / K)
-        divisor = torch.ones_like(combination) if divisor is None else divisor.to(combination)
-        return cls(alpha, divisor, total, solve)
+        if device is None:
+            device = combination.device if isinstance(combination, Tensor) else "cpu"
+        values = host_float64(combination)
+        total = float(np.abs(values).sum())
+        alpha = values / total if total > 0 else np.full_like(values, 1.0 / values.shape[-1])
+        divisor = np.ones_like(values) if divisor is None else host_float64(divisor)
+        tensors = (
+            torch.from_numpy(np.array(a, dtype=np.float64)).to(device) for a in (alpha, divisor, total)
+        )
+        return cls(*tensors, solve)
 
 
 class Weighting(Protocol):
