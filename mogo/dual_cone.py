@@ -210,11 +210,18 @@ def _lawson_hanson(
     iterations = np.zeros(B, dtype=np.int64)
     if done.all():
         return x, -rhs, passive, iterations
-    z = _solve_passive(G, rhs, passive)
-    iterations += ~done
-    positive = (z > 0) | ~passive
-    interior = positive.all(axis=-1)  # x is the passive set's exact minimiser
-    passive &= positive
+    # Shrink it to the coordinates its solution keeps positive until that solution is positive
+    # throughout (each solve drops several at once; at most K solves): an exact minimiser on its
+    # passive set, where Lawson-Hanson's major cycles start.
+    interior = done.copy()
+    for _ in range(K):
+        z = _solve_passive(G, rhs, passive)
+        iterations += ~interior
+        positive = (z > 0) | ~passive
+        interior |= positive.all(axis=-1)
+        passive &= positive
+        if interior.all():
+            break
     x = np.where(passive, z, 0.0)
     for _ in range(max_iter - 1):
         # Major cycle: add the most violated constraint, or stop.
@@ -230,7 +237,11 @@ def _lawson_hanson(
         # Minor cycle: the passive set's minimiser, or a step back to the first coordinate it
         # would push below u, which then leaves the passive set.
         open_ = ~done
-        z = _solve_passive(G, rhs, passive)
+        if open_.all():
+            z = _solve_passive(G, rhs, passive)
+        else:  # solve only the open problems: they finish at different cycles
+            z, index = np.zeros((B, K)), np.flatnonzero(open_)
+            z[index] = _solve_passive(G if len(G) == 1 else G[index], rhs[index], passive[index])
         iterations += open_
         positive = ((z > 0) | ~passive).all(axis=-1)
         interior = open_ & positive
