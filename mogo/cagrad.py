@@ -43,9 +43,10 @@ class CAGrad:
     Loss weights ``w = 1/K + rho w* / ||g_w*||`` (``alpha = w / sum w`` on the simplex, divisor 1,
     ``s = sum w``), as TorchJD's ``CAGradWeighting(c)``. Where the optimal ``g_w*`` vanishes (the
     origin in the gradients' hull, e.g. two opposite gradients: ``||g_w*||`` at most
-    ``sqrt(eps) max_k ||g_k||``) the dual loses the direction and the weights are 0, as TorchJD's,
-    which gives 0 whenever ``||g_w*||`` is below ``norm_eps`` (1e-4 of ``||J||_F``). ``solve`` is
-    a :class:`mogo.Certificate`: min-norm solves, and the Frank-Wolfe gap of ``F``.
+    ``1e-6 max_k ||g_k||``, below what the inner solves resolve) the dual loses the direction
+    and the weights are 0, as TorchJD's, which gives 0 whenever ``||g_w*||`` is below
+    ``norm_eps`` (1e-4 of ``||J||_F``). ``solve`` is a :class:`mogo.Certificate`: min-norm
+    solves, and the Frank-Wolfe gap of ``F``.
 
     Args:
         c: radius of the ball around ``g0``, relative to ``||g0||`` (``c = 0`` is the mean);
@@ -79,10 +80,11 @@ class CAGrad:
 
 
 _RTOL = 4 * np.finfo(np.float64).eps
-VANISHING = float(np.sqrt(np.finfo(np.float64).eps))
+VANISHING = 1e-6
 """``||g_w*||``, relative to the largest gradient norm, at or below which the optimum counts as
-``g_w* = 0`` (the origin in the hull): below it the weights ``rho / ||g_w*||`` would be set by
-cancellation, not by the gradients."""
+``g_w* = 0`` (the origin in the hull): each inner solve certifies ``||g_w + tau g0||^2`` to 1e-12
+of ``max_k ||g_k||^2`` (``min_norm``'s tolerance), so a smaller ``||g_w*||`` cannot be told from
+0, and weights ``rho / ||g_w*||`` would be set by round-off."""
 
 
 def cagrad_weights(G: np.ndarray, c: float) -> tuple[np.ndarray, int, float]:
