@@ -1,5 +1,6 @@
 """mogo: multi-objective gradient optimization for PyTorch."""
 
+from mogo import registry
 from mogo.aligned_mtl import AlignedMTL
 from mogo.amortize import AmortizedWeights
 from mogo.cagrad import CAGrad
@@ -12,11 +13,15 @@ from mogo.jacobian import objective_grads
 from mogo.nash_mtl import NashMTL
 from mogo.optim import HarmonizedOptimizer
 from mogo.pcgrad import PCGrad
-from mogo.registry import WEIGHTINGS, make_weighting, register_weighting
+from mogo.registry import make_weighting, register_weighting
 from mogo.solvers import MinNormResult, SolverError, min_norm
 from mogo.torchjd_weighting import TorchJDWeighting
 from mogo.upgrad import UPGrad
 from mogo.weighting import Certificate, MinNorm, WeightedSum, Weighting, Weights
+
+#: Name to factory of every registered weighting; the factory takes the weighting's options as
+#: keyword arguments (see :func:`mogo.make_weighting`). The registry's own dict, not a copy.
+WEIGHTINGS = registry.WEIGHTINGS
 
 __version__ = "0.1.0"
 

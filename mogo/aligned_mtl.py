@@ -29,9 +29,6 @@ from mogo.weighting import Weights
 
 __all__ = ["AlignedMTL"]
 
-ScaleMode = Literal["min", "median", "rmse"]
-
-
 class AlignedMTL:
     """Aligned-MTL weighting (Senushkin et al. 2023), as TorchJD's ``AlignedMTLWeighting``.
 
@@ -48,7 +45,7 @@ class AlignedMTL:
         tensor([0.2500, 0.5000], dtype=torch.float64)
     """
 
-    def __init__(self, scale_mode: ScaleMode = "min") -> None:
+    def __init__(self, scale_mode: Literal["min", "median", "rmse"] = "min") -> None:
         if scale_mode not in ("min", "median", "rmse"):
             raise ValueError(f"unknown scale_mode {scale_mode!r}; use 'min', 'median' or 'rmse'")
         self.scale_mode = scale_mode
