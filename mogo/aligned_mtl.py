@@ -29,6 +29,7 @@ from mogo.weighting import Weights
 
 __all__ = ["AlignedMTL"]
 
+
 class AlignedMTL:
     """Aligned-MTL weighting (Senushkin et al. 2023), as TorchJD's ``AlignedMTLWeighting``.
 
