@@ -172,12 +172,13 @@ def project_dual_cone(
     )
 
 
-def _solve_passive(G: np.ndarray, rhs: np.ndarray, passive: np.ndarray) -> np.ndarray:
+def _solve_passive(G: np.ndarray, rhs: np.ndarray, passive: np.ndarray, *, exact: bool = False) -> np.ndarray:
     """``z`` (B, K) with ``G_PP z_P = rhs_P`` and ``z = 0`` off each problem's passive set ``P``.
 
     Coordinates outside ``P`` get identity rows. Lawson-Hanson keeps the columns of ``P``
     independent, so the systems are regular; one that round-off made singular is solved in the
-    least-squares sense, which the KKT certificate then judges.
+    least-squares sense, which the KKT certificate then judges (``exact``: raise
+    ``LinAlgError`` instead).
     """
     K = G.shape[1]
     A = np.where(passive[:, :, None] & passive[:, None, :], G, 0.0)
@@ -186,6 +187,8 @@ def _solve_passive(G: np.ndarray, rhs: np.ndarray, passive: np.ndarray) -> np.nd
     try:
         z = np.linalg.solve(A, b)[:, :, 0]
     except np.linalg.LinAlgError:
+        if exact:
+            raise
         z = np.matmul(np.linalg.pinv(A, hermitian=True), b)[:, :, 0]
     return np.where(passive, z, 0.0)
 
@@ -213,15 +216,24 @@ def _lawson_hanson(
     # Shrink it to the coordinates its solution keeps positive until that solution is positive
     # throughout (each solve drops several at once; at most K solves): an exact minimiser on its
     # passive set, where Lawson-Hanson's major cycles start.
+    try:
+        z = _solve_passive(G, rhs, passive, exact=True)
+    except np.linalg.LinAlgError:
+        # Dependent constraints (duplicated gradients, say): start as Lawson-Hanson does, from
+        # the most violated one alone.
+        passive = np.zeros_like(passive)
+        passive[rows, rhs.argmax(axis=-1)] = ~done
+        z = _solve_passive(G, rhs, passive)
+    iterations += ~done
     interior = done.copy()
     for _ in range(K):
-        z = _solve_passive(G, rhs, passive)
-        iterations += ~interior
         positive = (z > 0) | ~passive
         interior |= positive.all(axis=-1)
         passive &= positive
         if interior.all():
             break
+        z = _solve_passive(G, rhs, passive)
+        iterations += ~interior
     x = np.where(passive, z, 0.0)
     for _ in range(max_iter - 1):
         # Major cycle: add the most violated constraint, or stop.
