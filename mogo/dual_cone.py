@@ -12,8 +12,9 @@ a non-negative quadratic program in ``x = v - u``. :func:`project_dual_cone` sol
 the active-set method of Lawson & Hanson (1974) on the Gram matrix (the form of Bro & De Jong,
 1997): a passive set ``P`` of coordinates with ``v_j > u_j``, on which ``(G v)_P = 0`` is solved
 exactly, grows by the most violated constraint and shrinks when a coordinate would leave the
-feasible set. Every problem of a stack runs in lock step, one batched linear solve per cycle, with
-no Python loop over problems.
+feasible set. It starts from every constraint violated at ``v = u`` (for UPGrad, the gradients
+that conflict with ``g_i``), often the optimal set. Every problem of a stack runs in lock step,
+one batched linear solve per cycle, with no Python loop over problems.
 
 Optimality is certified without a reference by the KKT conditions, ``G v >= 0`` and
 ``(G v)_j = 0`` where ``v_j > u_j``: ``DualConeResult.kkt`` is the largest violation, computed in

@@ -32,12 +32,12 @@ class UPGrad:
     """UPGrad weighting (Quinton & Rey 2024), solved exactly.
 
     Loss weights are ``w_k = s alpha_k / ||g_k||`` with ``s alpha_k = (1/K) sum_i ||g_i|| u^(i)_k``,
-    where ``u^(i) = argmin_{u >= e_i} u^T Gu u`` are the projections on the Gram matrix ``Gu`` of the
-    unit gradients (the same problem, well scaled): ``alpha`` is on the simplex, and ``s`` is the
-    mean gradient norm when nothing conflicts. Gradients with a norm at
-    most ``rtol`` times the largest count as zero (as in :func:`mogo.normalize_gram`): they
-    constrain nothing and get weight 0 (TorchJD keeps every gradient, and gives an exact zero
-    ``1/K``, which moves no direction; ``rtol=0`` does the same but for that weight).
+    where ``u^(i) = argmin_{u >= e_i} u^T Gu u`` are the projections on the Gram matrix ``Gu`` of
+    the unit gradients (the same problem, well scaled): ``alpha`` is on the simplex, and ``s`` is
+    the mean gradient norm when nothing conflicts. Gradients with a norm at most ``rtol`` times
+    the largest count as zero (as in :func:`mogo.normalize_gram`): they constrain nothing and get
+    weight 0. TorchJD keeps every gradient and gives an exact zero ``1/K``, which moves no
+    direction; ``rtol=0`` does the same but for that weight.
     ``solve`` is a :class:`mogo.Certificate`: the most linear solves of any projection and the
     worst KKT violation (:class:`mogo.DualConeResult`).
 
