@@ -22,8 +22,8 @@ from mogo.cagrad import cagrad_weights
 from mogo.testing import FAMILIES, assert_min_norm_optimal, gradient_family
 
 torchjd_aggregation = pytest.importorskip("torchjd.aggregation")
-from qpsolvers.exceptions import ProblemError  # noqa: E402 (after the importorskip)
-from torchjd.linalg import QuadprogProjector  # noqa: E402
+QuadprogProjector = pytest.importorskip("torchjd.linalg").QuadprogProjector
+ProblemError = pytest.importorskip("qpsolvers.exceptions").ProblemError  # quadprog's refusal
 
 EPS = float(np.finfo(np.float64).eps)
 SIZES = [2, 3, 5, 10, 32]
