@@ -1,29 +1,51 @@
 """mogo: multi-objective gradient optimization for PyTorch."""
 
+from mogo import registry
+from mogo.aligned_mtl import AlignedMTL
 from mogo.amortize import AmortizedWeights
+from mogo.cagrad import CAGrad
 from mogo.diagnostics import ConflictMeter, ConflictReport
 from mogo.distributed import DataParallel, ShardedParameters, sharded_gramian
+from mogo.dual_cone import DualConeResult, project_dual_cone
 from mogo.gram import NormalizedGram, gramian, normalize_gram
+from mogo.imtl_g import IMTLG
 from mogo.jacobian import objective_grads
+from mogo.nash_mtl import NashMTL
 from mogo.optim import HarmonizedOptimizer
-from mogo.registry import WEIGHTINGS, make_weighting, register_weighting
+from mogo.pcgrad import PCGrad
+from mogo.registry import make_weighting, register_weighting
 from mogo.solvers import MinNormResult, SolverError, min_norm
-from mogo.weighting import MinNorm, WeightedSum, Weighting, Weights
+from mogo.torchjd_weighting import TorchJDWeighting
+from mogo.upgrad import UPGrad
+from mogo.weighting import Certificate, MinNorm, WeightedSum, Weighting, Weights
+
+#: Name to factory of every registered weighting; the factory takes the weighting's options as
+#: keyword arguments (see :func:`mogo.make_weighting`). The registry's own dict, not a copy.
+WEIGHTINGS = registry.WEIGHTINGS
 
 __version__ = "0.1.0"
 
 __all__ = [
+    "IMTLG",
     "WEIGHTINGS",
+    "AlignedMTL",
     "AmortizedWeights",
+    "CAGrad",
+    "Certificate",
     "ConflictMeter",
     "ConflictReport",
     "DataParallel",
+    "DualConeResult",
     "HarmonizedOptimizer",
     "MinNorm",
     "MinNormResult",
+    "NashMTL",
     "NormalizedGram",
+    "PCGrad",
     "ShardedParameters",
     "SolverError",
+    "TorchJDWeighting",
+    "UPGrad",
     "WeightedSum",
     "Weighting",
     "Weights",
@@ -32,6 +54,7 @@ __all__ = [
     "min_norm",
     "normalize_gram",
     "objective_grads",
+    "project_dual_cone",
     "register_weighting",
     "sharded_gramian",
 ]

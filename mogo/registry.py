@@ -11,11 +11,33 @@ import difflib
 from collections.abc import Callable
 from typing import Any
 
+from mogo.aligned_mtl import AlignedMTL
+from mogo.cagrad import CAGrad
+from mogo.imtl_g import IMTLG
+from mogo.nash_mtl import NashMTL
+from mogo.pcgrad import PCGrad
+from mogo.upgrad import UPGrad
 from mogo.weighting import MinNorm, WeightedSum, Weighting
 
 __all__ = ["WEIGHTINGS", "make_weighting", "register_weighting"]
 
-WEIGHTINGS: dict[str, Callable[..., Weighting]] = {"min_norm": MinNorm, "weighted_sum": WeightedSum}
+
+def mgda(**options: Any) -> MinNorm:
+    """Plain MGDA: ``MinNorm(normalize="none", **options)``, the min-norm point of the raw gradients."""
+    return MinNorm(normalize="none", **options)
+
+
+WEIGHTINGS: dict[str, Callable[..., Weighting]] = {
+    "min_norm": MinNorm,
+    "weighted_sum": WeightedSum,
+    "mgda": mgda,
+    "upgrad": UPGrad,
+    "cagrad": CAGrad,
+    "nash_mtl": NashMTL,
+    "imtl_g": IMTLG,
+    "aligned_mtl": AlignedMTL,
+    "pcgrad": PCGrad,
+}
 """Name to factory: the factory is called with the weighting's options as keyword arguments."""
 
 

@@ -13,15 +13,33 @@ what lets amortized steps reuse ``alpha``, ``c`` and ``s`` with a single backwar
 from __future__ import annotations
 
 from dataclasses import dataclass
-from typing import Literal, Protocol
+from typing import Literal, NamedTuple, Protocol
 
+import numpy as np
 import torch
 from torch import Tensor
 
 from mogo.gram import Normalization, gradient_norms, host_float64, normalize_gram
 from mogo.solvers import Method, MinNormResult, min_norm
 
-__all__ = ["MinNorm", "WeightedSum", "Weighting", "Weights"]
+__all__ = ["Certificate", "MinNorm", "WeightedSum", "Weighting", "Weights"]
+
+
+class Certificate(NamedTuple):
+    """How a weighting's own solve went, for the diagnostics (:class:`mogo.ConflictReport`).
+
+    Attributes:
+        iterations: 0-d int64, the solver's iterations (linear solves, Newton steps, ...).
+        kkt: 0-d float64, the worst violation of the method's optimality conditions
+            (dimensionless; each weighting says how it is scaled).
+        status: ``"success"`` or the reason the solve did not meet its tolerance.
+        message: what to do about a status other than success; empty on success.
+    """
+
+    iterations: Tensor
+    kkt: Tensor
+    status: str = "success"
+    message: str = ""
 
 
 @dataclass(frozen=True)
@@ -29,21 +47,55 @@ class Weights:
     """The combination chosen by a weighting, for K objectives.
 
     Attributes:
-        alpha: ``(K,)`` float64 on the simplex (0 for excluded objectives).
+        alpha: ``(K,)`` float64 with ``sum_k |alpha_k| = 1`` (0 for excluded objectives). It lies
+            on the simplex for every weighting whose loss weights are non-negative (MinNorm,
+            WeightedSum, UPGrad, CAGrad, NashMTL, PCGrad); where a method's weights can be
+            negative (IMTLG, AlignedMTL) it keeps their signs. Amortized steps average it by EMA
+            either way, which is linear in the loss weights.
         divisor: ``(K,)`` float64 ``c_k`` (1 where the weighting does not normalise).
-        scale: ``s``, a 0-d float64 tensor.
-        solve: the min-norm result, where a QP was solved.
+        scale: ``s``, a 0-d float64 tensor (``sum_k |s alpha_k|``: the weights need not sum to 1).
+        solve: the solver's result where one ran: a :class:`mogo.MinNormResult` or a
+            :class:`Certificate` (0-d ``iterations`` and ``kkt`` either way).
     """
 
     alpha: Tensor
     divisor: Tensor
     scale: Tensor
-    solve: MinNormResult | None = None
+    solve: MinNormResult | Certificate | None = None
 
     @property
     def loss_weights(self) -> Tensor:
         """``(K,)`` float64 ``w_k = s * alpha_k / c_k``."""
         return self.scale * self.alpha / self.divisor
+
+    @classmethod
+    def from_combination(
+        cls,
+        combination: Tensor | np.ndarray,
+        divisor: Tensor | np.ndarray | None = None,
+        solve: Certificate | None = None,
+        *,
+        device: torch.device | str | None = None,
+    ) -> Weights:
+        """The weights ``w = combination / divisor``, that is ``d = sum_k combination_k g_k / c_k``:
+        ``s = sum_k |combination_k|`` and ``alpha = combination / s`` (uniform when ``s = 0``).
+
+        Args:
+            combination: ``(K,)`` the coefficients on the divided gradients ``g_k / c_k``.
+            divisor: ``(K,)`` ``c_k``, default 1.
+            solve: the weighting's :class:`Certificate`, if it solved anything.
+            device: where the tensors go (default: ``combination``'s device, the CPU for numpy).
+        """
+        if device is None:
+            device = combination.device if isinstance(combination, Tensor) else "cpu"
+        values = host_float64(combination)
+        total = float(np.abs(values).sum())
+        alpha = values / total if total > 0 else np.full_like(values, 1.0 / values.shape[-1])
+        divisor = np.ones_like(values) if divisor is None else host_float64(divisor)
+        tensors = (
+            torch.from_numpy(np.array(a, dtype=np.float64)).to(device) for a in (alpha, divisor, total)
+        )
+        return cls(*tensors, solve)
 
 
 class Weighting(Protocol):

@@ -29,7 +29,8 @@ def test_the_default_command_trains_the_shapes_world(tmp_path):
 
 def test_arms_differ_only_in_their_strategy(tmp_path):
     configs = {arm: compare.arm_config(arm, 1, tmp_path / arm) for arm in compare.arms()}
-    assert len(configs) == len(REWARDS) + 6
+    assert len(configs) == len(REWARDS) + 8
+    assert (configs["upgrad_n10"].strategy.name, configs["cagrad_n10"].strategy.name) == ("upgrad", "cagrad")
     base = shapes_config().to_dict()
     for arm, config in configs.items():
         data = config.to_dict()

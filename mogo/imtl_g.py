@@ -1,0 +1,65 @@
+"""IMTL-G: the direction with equal projections on every unit gradient.
+
+Liu, Li, Kuang, Xue, Chen, Yang, Liao & Zhang (2021), "Towards Impartial Multi-task Learning",
+ICLR. The update ``d = J^T alpha`` with ``sum_k alpha_k = 1`` has the same inner product with
+every unit gradient, ``<d, g_i / ||g_i||> = const``, that is ``G alpha = lambda n`` with
+``n_i = ||g_i||``. With linearly dependent gradients, TorchJD's generalisation (Quinton & Rey 2024)
+takes the least-squares solution of least norm,
+
+.. math::
+
+    v = G^+ n, \\qquad \\alpha = v / \\textstyle\\sum_k v_k,
+
+which is used here; ``G^+`` is the pseudo-inverse from the eigendecomposition of ``G`` with
+eigenvalues below ``K eps lambda_max`` set to zero (the default cut-off of ``torch.linalg.pinv``).
+The weights can be negative. Where ``sum_k v_k`` vanishes (``n`` orthogonal to the range of
+``G``, e.g. two opposite gradients) there is no such direction and the weights are 0.
+"""
+
+from __future__ import annotations
+
+import numpy as np
+import torch
+from torch import Tensor
+
+from mogo.gram import host_float64
+from mogo.weighting import Weights
+
+__all__ = ["IMTLG"]
+
+
+class IMTLG:
+    """IMTL-G weighting (Liu et al. 2021), as generalised by TorchJD.
+
+    Loss weights ``w = G^+ n / sum(G^+ n)``: they sum to 1 and may be negative, so ``alpha`` is
+    ``w / sum |w|`` (signed, not on the simplex), divisor 1, ``s = sum |w|``. Unlike TorchJD,
+    whose test ``|sum v| < 1e-12`` is absolute (it returns 0 for every Gram matrix above about
+    1e12), the degenerate case is judged relative to ``sum |v|``, so the weights do not depend on
+    the scale of ``G``.
+
+    Example:
+        >>> import torch, mogo
+        >>> J = torch.tensor([[1.0, 0.0], [1.0, 1.0]], dtype=torch.float64)
+        >>> w = mogo.IMTLG()(J @ J.T, torch.ones(2)).loss_weights
+        >>> d = w @ J
+        >>> (J @ d) / J.norm(dim=1)  # equal projections on both unit gradients
+        tensor([1.0000, 1.0000], dtype=torch.float64)
+    """
+
+    def __call__(self, gram: Tensor, losses: Tensor) -> Weights:
+        G = host_float64(gram)
+        K = G.shape[0]
+        values, vectors = np.linalg.eigh((G + G.T) / 2)
+        top = values.max() if K else 0.0
+        if not top > 0:
+            return Weights.from_combination(torch.zeros(K, dtype=torch.float64, device=gram.device))
+        kept = values > K * np.finfo(np.float64).eps * top
+        norms = np.sqrt(np.maximum(np.diagonal(G), 0.0))
+        v = (vectors[:, kept] / values[kept]) @ (vectors[:, kept].T @ norms)
+        total = float(v.sum())
+        if abs(total) <= K * np.finfo(np.float64).eps * float(np.abs(v).sum()):
+            v, total = np.zeros(K), 1.0
+        return Weights.from_combination(torch.from_numpy(v / total).to(gram.device))
+
+    def __repr__(self) -> str:
+        return "IMTLG()"
