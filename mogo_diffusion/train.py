@@ -440,13 +440,15 @@ class Trainer:
     # ---- checkpoints ---------------------------------------------------------------------------
 
     def state(self) -> dict[str, Any]:
-        """Everything a resumed run needs: adapters, evaluation EMA, optimizer, epoch, config."""
+        """Everything a resumed run needs: adapters, evaluation EMA, optimizer, gradient scaler
+        (its scale and growth tracker; empty when disabled), epoch, config."""
         return {
             "epoch": self.epoch,
             "trained": [p.detach() for p in self.params],
             "old": [p.detach() for p in models.lora_parameters(self.transformer, models.OLD)],
             "eval_ema": self.eval_ema,
             "optimizer": self.optimizer.state_dict(),
+            "scaler": self.scaler.state_dict(),
             "config": self.config.to_dict(),
         }
 
@@ -511,13 +513,14 @@ class Trainer:
         with torch.no_grad():
             for p, value in zip([*self.params, *old], [*state["trained"], *state["old"]], strict=True):
                 p.copy_(value)
+        self.scaler.load_state_dict(state["scaler"])
         self.eval_ema = [t.to(p.device) for t, p in zip(state["eval_ema"], self.params, strict=True)]
         self.epoch = state["epoch"]
 
     def _check_resumable(self, state: Any, path: Path) -> None:
         """Raise unless ``state`` (loaded from checkpoint ``path``) fits this run (see :meth:`resume`)."""
         where = repr(str(path / "state.json"))
-        fields = ("epoch", "trained", "old", "eval_ema", "optimizer", "config")
+        fields = ("epoch", "trained", "old", "eval_ema", "optimizer", "scaler", "config")
         if not isinstance(state, dict):
             raise CheckpointError(
                 f"{where} must hold an object with the fields {', '.join(fields)}, got {type(state).__name__}"
@@ -545,11 +548,15 @@ class Trainer:
                         f"{where}: field {name!r}: tensor {i} has shape {tuple(t.shape)} where this "
                         f"model's adapter has {tuple(p.shape)}"
                     )
-        for name in ("optimizer", "config"):
+        for name in ("optimizer", "scaler", "config"):
             if not isinstance(state[name], dict):
                 raise CheckpointError(
                     f"{where}: field {name!r} must be an object, got {type(state[name]).__name__}"
                 )
+        if self.scaler.is_enabled() and "scale" not in state["scaler"]:
+            raise CheckpointError(
+                f"{where}: field 'scaler' lacks the scale of this run's fp16 gradient scaler"
+            )
         changed = [
             (field, saved, now)
             for field, saved, now in self._config_differences(state["config"], self.config.to_dict())

@@ -278,6 +278,21 @@ def test_an_overflowing_step_is_skipped_and_lowers_the_scale(tiny_dir, tmp_path,
     assert scaler.get_scale() == 2.0**9
 
 
+def test_the_gradient_scalers_state_is_saved_and_resumed(tiny_dir, tmp_path):
+    """An fp16 run resumed from a checkpoint continues with the scale it had (it restarted at the
+    initial scale, so a resumed fp16 run was not the uninterrupted one)."""
+    data = config(tiny_dir, tmp_path, "weighted_sum", epochs=1).to_dict()
+    data["train"]["mixed_precision"] = "fp16"
+    trainer = Trainer(Config.from_dict(data), scaler=torch.amp.GradScaler("cpu", init_scale=2.0**10))
+    trainer.scaler.scale(torch.ones(()))  # the scale exists from the first scaled loss on
+    trainer.scaler.update(2.0**7)  # a scale the run reached, not the initial one
+    trainer.train()
+    resumed = Trainer(Config.from_dict(data), scaler=torch.amp.GradScaler("cpu", init_scale=2.0**10))
+    resumed.resume("latest")
+    assert resumed.scaler.get_scale() == trainer.scaler.get_scale() == 2.0**7
+    assert resumed.scaler.state_dict() == trainer.scaler.state_dict()
+
+
 def test_bf16_autocast_trains_on_the_cpu_and_auto_means_no_there(tiny_dir, tmp_path):
     auto = Trainer(config(tiny_dir, tmp_path, "weighted_sum", mixed_precision="auto"))
     assert auto.mixed_precision == "no"
@@ -558,7 +573,7 @@ def bad_state(case: str, good: dict) -> tuple[object, str]:
     """A structurally wrong state (hashed as a good save would be) and what its error must say."""
     short = {**good, "eval_ema": good["eval_ema"][:-1]}
     return {
-        "empty": ({}, r"lacks the fields epoch, trained, old, eval_ema, optimizer, config"),
+        "empty": ({}, r"lacks the fields epoch, trained, old, eval_ema, optimizer, scaler, config"),
         "list": ([1, 2], r"must hold an object with the fields epoch, .*, got list"),
         "epoch text": ({**good, "epoch": "abc"}, r"field 'epoch' must be a non-negative integer, got 'abc'"),
         "epoch negative": ({**good, "epoch": -5}, r"field 'epoch' must be a non-negative integer, got -5"),
