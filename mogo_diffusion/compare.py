@@ -18,6 +18,7 @@ is evaluated on the same held-out prompts and noise
     marble_n10_window      the same, alpha estimated on the whole window (K gradient buffers)
     upgrad_n10, cagrad_n10 UPGrad and CAGrad (mogo.WEIGHTINGS) amortized as marble_n10; any
                            registered weighting runs as the arm <name>_n10
+    ablations              marble_n10_neutral, marble_n10_noema, mgda_n10 (with --arms; ABLATIONS)
 
 Each run is a ``python -m mogo_diffusion.train --config`` subprocess (``--jobs`` at a time, one
 thread each) in ``OUT/runs/<arm>/seed<s>``; a finished run is not rerun, so an interrupted
@@ -50,7 +51,17 @@ from mogo_diffusion.config import Config
 from mogo_diffusion.evaluate import composite_zscores, read_metrics, reward_zscores
 from mogo_diffusion.shapes.recipe import REWARDS, shapes_config
 
-__all__ = ["EPOCHS", "QUICK", "arm_config", "arms", "main", "summarize", "tables"]
+__all__ = [
+    "ABLATIONS",
+    "EPOCHS",
+    "QUICK",
+    "WEIGHTING_ARMS",
+    "arm_config",
+    "arms",
+    "main",
+    "summarize",
+    "tables",
+]
 
 QUICK: dict[str, Any] = {
     "sampling": {"prompts_per_epoch": 4, "group_size": 4, "eval_prompts": "shapes:heldout:16"},
@@ -72,6 +83,13 @@ def arms(rewards: Sequence[str] = REWARDS) -> list[str]:
         *(f"{name}_n10" for name in WEIGHTING_ARMS if name in mogo.WEIGHTINGS),
     ]
 
+
+ABLATIONS = ("marble_n10_neutral", "marble_n10_noema", "mgda_n10")
+"""Arms that explain MARBLE's result rather than compete (run with ``--arms``): a sample a reward
+does not apply to counts with advantage 0 (``nft.nonapplicable="neutral"``, DiffusionNFT's
+masking) instead of being left out; no EMA of alpha (``alpha_ema=0``); gradients not normalised
+(``mgda``: the min-norm point of the raw gradients). ``marble_n1`` against ``marble_n10`` is the
+amortization's."""
 
 WEIGHTING_ARMS = ("upgrad", "cagrad")
 """The other conflict-aware weightings in the default arms, amortized as ``marble_n10`` is
@@ -101,9 +119,13 @@ def arm_config(arm: str, seed: int, out: Path, *, epochs: int = EPOCHS, quick: b
         strategy = {"name": "sequential", "stages": [{"reward": n, "epochs": length} for n in names]}
     elif arm == "marble_n1":
         strategy = {"name": "marble", "harmonize_every": 1, "alpha_ema": 0.0}
-    elif arm in ("marble_n10", "marble_n10_window"):
+    elif arm in ("marble_n10", "marble_n10_window", "marble_n10_neutral"):
         estimate = "window" if arm.endswith("window") else "first"
         strategy = {"name": "marble", "harmonize_every": 10, "alpha_ema": 0.9, "estimate": estimate}
+        if arm.endswith("neutral"):
+            data["nft"]["nonapplicable"] = "neutral"
+    elif arm == "marble_n10_noema":
+        strategy = {"name": "marble", "harmonize_every": 10, "alpha_ema": 0.0}
     elif _weighting_arm(arm):
         strategy = {"name": arm.removesuffix("_n10"), "harmonize_every": 10, "alpha_ema": 0.9}
     else:
@@ -351,7 +373,7 @@ def main(argv: list[str] | None = None) -> dict:
     parser = _parser()
     args = parser.parse_args(argv)
     chosen = arms() if args.arms is None else [a for a in args.arms.split(",") if a]
-    unknown = [a for a in chosen if a not in arms() and not _weighting_arm(a)]
+    unknown = [a for a in chosen if a not in (*arms(), *ABLATIONS) and not _weighting_arm(a)]
     if unknown:
         parser.error(f"unknown arms {unknown}; arms: {', '.join(arms())}")
     if args.tradeoff not in REWARDS:

@@ -161,12 +161,16 @@ class NFTConfig:
         adv_clip: C, the advantage clip and the loss scale ``C / beta``.
         kl_coef: the weight of ``mean (v - v_ref)^2`` (0 skips the reference forward).
         std_scope: the advantages' std over the whole ``"batch"`` or each prompt ``"group"``.
+        nonapplicable: a reward that does not apply to a sample (NaN) leaves it out of that
+            reward's loss (``"exclude"``) or counts it with advantage 0 (``"neutral"``, as
+            DiffusionNFT's masking does); see :func:`mogo_diffusion.nft.nft_coefficients`.
     """
 
     beta: float = _field(0.1, check=FRACTION)
     adv_clip: float = _field(5.0, check=POSITIVE)
     kl_coef: float = _field(1e-4, check=NON_NEGATIVE)
     std_scope: Literal["batch", "group"] = "batch"
+    nonapplicable: Literal["exclude", "neutral"] = "exclude"
 
 
 @dataclass

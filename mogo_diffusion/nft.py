@@ -37,7 +37,7 @@ torch.Size([2])
 from __future__ import annotations
 
 from numbers import Real
-from typing import NamedTuple
+from typing import Literal, NamedTuple
 
 import torch
 from torch import Tensor
@@ -145,23 +145,36 @@ def positive_weight(advantages: Tensor, *, adv_clip: float = 5.0) -> Tensor:
     return (advantages.clamp(-adv_clip, adv_clip) / (2 * adv_clip) + 0.5).clamp(0.0, 1.0)
 
 
-def nft_coefficients(advantages: Tensor, *, beta: float, adv_clip: float = 5.0) -> NFTCoefficients:
+def nft_coefficients(
+    advantages: Tensor,
+    *,
+    beta: float,
+    adv_clip: float = 5.0,
+    nonapplicable: Literal["exclude", "neutral"] = "exclude",
+) -> NFTCoefficients:
     """The coefficient matrices of the K per-reward NFT losses.
 
     Args:
-        advantages: ``[B, K]``, NaN where reward k does not apply to sample i (no gradient).
+        advantages: ``[B, K]``, NaN where reward k does not apply to sample i.
         beta: the mixing strength, > 0.
         adv_clip: ``C``, > 0; clips the advantages and scales the loss by ``C / beta``.
-
-    Each reward's mean runs over the samples it applies to (``n_k``); a reward that applies to
-    none has zero coefficients, so its loss is 0 and contributes no gradient.
+        nonapplicable: what a NaN advantage does. ``"exclude"``: the sample is left out of that
+            reward's loss, whose mean runs over the ``n_k`` samples it applies to; a reward that
+            applies to none has zero coefficients (loss 0, no gradient). ``"neutral"``: the
+            sample counts with ``A = 0`` (``r = 1/2``) in a mean over all B samples, as masking
+            in DiffusionNFT's code does; its ``(P + N) / 2`` is smallest at ``v = v_old``, so it
+            holds the model near the old policy on that sample.
     """
     _check_beta(beta)
     _check_clip(adv_clip)
+    if nonapplicable not in ("exclude", "neutral"):
+        raise ValueError(f"nonapplicable must be 'exclude' or 'neutral', got {nonapplicable!r}")
     if not isinstance(advantages, Tensor) or advantages.ndim != 2 or not advantages.is_floating_point():
         shape = tuple(advantages.shape) if isinstance(advantages, Tensor) else type(advantages).__name__
         raise ValueError(f"advantages must be a floating [B, K] tensor, got {shape}")
     A = advantages.detach().to(torch.float64).T
+    if nonapplicable == "neutral":
+        A = A.nan_to_num(0.0)
     applicable = ~torch.isnan(A)
     r = positive_weight(A, adv_clip=adv_clip)
     scale = adv_clip / beta / applicable.sum(dim=1, keepdim=True).clamp_min(1).to(A.dtype)

@@ -93,7 +93,10 @@ class Strategy:
     def losses(self, terms: NFTTerms, advantages: Tensor) -> Tensor:
         """The ``[J]`` NFT losses of one forward's ``terms`` under ``advantages [b, J]``."""
         nft = self.config.nft
-        return nft_losses(terms, nft_coefficients(advantages, beta=nft.beta, adv_clip=nft.adv_clip))
+        coefficients = nft_coefficients(
+            advantages, beta=nft.beta, adv_clip=nft.adv_clip, nonapplicable=nft.nonapplicable
+        )
+        return nft_losses(terms, coefficients)
 
     def build(self, params: Sequence[Tensor]) -> torch.optim.Optimizer:
         """Create the optimizer over ``params``; returns it (also ``self.optimizer``)."""

@@ -52,6 +52,9 @@ DIFFUSION_MODULES = (
     "shapes.pretrain",
     "shapes.recipe",
     "compare",
+    "strategies",
+    "streams",
+    "bootstrap",
 )
 
 

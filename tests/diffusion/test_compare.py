@@ -7,6 +7,7 @@ import math
 
 import pytest
 
+import mogo
 from mogo_diffusion import compare
 from mogo_diffusion.evaluate import read_metrics
 from mogo_diffusion.shapes.recipe import REWARDS, shapes_config
@@ -42,6 +43,12 @@ def test_arms_differ_only_in_their_strategy(tmp_path):
     assert configs["weighted_sum_z"].strategy.reward_scale == "zscore"
     assert configs["marble_n10_window"].strategy.estimate == "window"
     assert configs["marble_n10"].strategy.estimate == "first"
+    ablations = {arm: compare.arm_config(arm, 1, tmp_path / arm) for arm in compare.ABLATIONS}
+    assert ablations["marble_n10_neutral"].nft.nonapplicable == "neutral"
+    assert configs["marble_n10"].nft.nonapplicable == "exclude"
+    assert ablations["marble_n10_noema"].strategy.alpha_ema == 0.0
+    assert ablations["mgda_n10"].strategy.name == "mgda"
+    assert mogo.make_weighting("mgda").normalize == "none"
     any_weighting = compare.arm_config("min_norm_n10", 0, tmp_path).strategy  # by its registry name
     assert (any_weighting.name, any_weighting.harmonize_every, any_weighting.alpha_ema) == (
         "min_norm",

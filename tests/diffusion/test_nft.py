@@ -245,3 +245,43 @@ def test_bad_inputs_name_the_argument():
         kl_loss(v, v_old, kl_coef=-1.0)
     with pytest.raises(ValueError, match="v_ref has shape"):
         kl_loss(v, v_old[:1], kl_coef=1.0)
+
+
+@given(
+    st.integers(1, 8),
+    st.integers(1, 4),
+    st.integers(0, 2**31 - 1),
+    st.floats(0.0, 1.0),
+)
+def test_a_neutral_nonapplicable_sample_counts_as_advantage_zero(batch, rewards, seed, share):
+    generator = torch.Generator().manual_seed(seed)
+    A = 3 * torch.randn(batch, rewards, generator=generator, dtype=torch.float64)
+    A[torch.rand(batch, rewards, generator=generator) < share] = math.nan
+    neutral = nft_coefficients(A, beta=0.3, nonapplicable="neutral")
+    as_zero = nft_coefficients(A.nan_to_num(0.0), beta=0.3)  # no NaN: every sample counts
+    assert torch.equal(neutral.a, as_zero.a)
+    assert torch.equal(neutral.b, as_zero.b)
+    if not torch.isnan(A).any():  # the two policies differ only where a reward does not apply
+        excluded = nft_coefficients(A, beta=0.3)
+        assert torch.equal(excluded.a, neutral.a)
+
+
+def test_a_neutral_sample_holds_the_model_at_the_old_policy():
+    """Its loss (P + N) / 2 has zero gradient at v = v_old and pulls v back towards it elsewhere."""
+    x0, x_t, v_old = torch.randn(3, 1, 4, 2, 2, dtype=torch.float64)
+    A = torch.tensor([[math.nan]])
+    coefficients = nft_coefficients(A, beta=0.5, nonapplicable="neutral")
+    for offset, moves_back in ((0.0, False), (0.3, True)):
+        v = (v_old + offset).requires_grad_()
+        loss = nft_losses(nft_terms(v, v_old, x_t, x0, 0.7, beta=0.5), coefficients)[0]
+        (grad,) = torch.autograd.grad(loss, v)
+        if moves_back:
+            assert float((grad * (v - v_old)).sum()) > 0  # descent moves v towards v_old
+        else:
+            # P and N differ only by the rounding of v_plus and v_minus: float64 round-off of O(1)
+            assert torch.allclose(grad, torch.zeros_like(grad), atol=1e-12)
+    excluded = nft_coefficients(A, beta=0.5)
+    assert not excluded.a.any()  # left out: no gradient at all
+    assert not excluded.b.any()
+    with pytest.raises(ValueError, match="nonapplicable must be 'exclude' or 'neutral'"):
+        nft_coefficients(A, beta=0.5, nonapplicable="zero")
