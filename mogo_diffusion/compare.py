@@ -100,10 +100,26 @@ EPOCHS = 20
 """Epochs per run of the comparison (the default run has 60), so that 36 runs fit in about 50 minutes."""
 
 
-def arm_config(arm: str, seed: int, out: Path, *, epochs: int = EPOCHS, quick: bool = False) -> Config:
+def arm_config(
+    arm: str,
+    seed: int,
+    out: Path,
+    *,
+    epochs: int = EPOCHS,
+    quick: bool = False,
+    rewards: Sequence[str] | None = None,
+) -> Config:
     """The config of one arm and seed, writing to ``out``: ``epochs`` epochs, evaluated once at
-    the end."""
+    the end, on ``rewards`` (default: all of :data:`~mogo_diffusion.shapes.recipe.REWARDS`, in
+    their order; a subset keeps theirs)."""
     data = shapes_config(**(QUICK if quick else {})).to_dict()
+    if rewards is not None:
+        unknown = sorted(set(rewards) - {spec["name"] for spec in data["rewards"]})
+        if unknown:
+            raise ValueError(
+                f"rewards {unknown} are not the shapes world's; its rewards: {', '.join(REWARDS)}"
+            )
+        data["rewards"] = [spec for spec in data["rewards"] if spec["name"] in rewards]
     epochs = QUICK["train"]["epochs"] if quick else epochs
     data["train"].update(
         epochs=epochs, eval_every=epochs, checkpoint_every=epochs, seed=seed, out_dir=str(out)

@@ -55,6 +55,7 @@ DIFFUSION_MODULES = (
     "strategies",
     "streams",
     "bootstrap",
+    "study",
 )
 
 

@@ -1,0 +1,409 @@
+"""The shapes-world study that can decide MARBLE's claims: ``python -m mogo_diffusion.study``.
+
+Every arm of :mod:`mogo_diffusion.compare` is trained with the same budget and seeds on two reward
+sets, frozen before any run:
+
+.. code-block:: text
+
+    prompt_following   shapes_color, shapes_shape, clipscore (global),
+                       shapes_position, shapes_count (specialists, NaN elsewhere)
+    with_quality       the same plus jpeg_compressibility, which pulls against all of them
+
+The specialists (``single:<reward>``) are trained once, with every reward evaluated, and belong to
+both sets; the multi-reward arms (:data:`ARMS`) and the ablations (:data:`~mogo_diffusion.compare.ABLATIONS`,
+on ``prompt_following``) are trained for each set. Runs live in ``OUT/runs/<set or
+specialists>/<arm>/seed<s>``; a finished run is never rerun, so the study can be stopped and
+continued.
+
+For each set, arm and reward the study reports the held-out mean and, paired by seed, the mean
+difference to the weighted sum with its 95 % bootstrap interval (:mod:`mogo_diffusion.bootstrap`);
+the same for the composite (each run's mean z-score over the set's rewards, standardised by the
+arms' seed-averaged means, the pretrained model included). Each of the paper's claims gets
+"reproduced", "not reproduced" or "undecided (CI spans 0)", with its numbers:
+
+(a) MARBLE (``marble_n10``) improves every reward over the pretrained model: every interval of
+    its difference to the pretrained model above 0;
+(b) MARBLE's composite is the best of all arms: above every other arm's, paired by seed;
+(c) the weighted-sum direction opposes some reward in most mini-batches while MARBLE's opposes
+    none: the conflict rate's interval above 1/2, and no harmonized cosine below ``-1e-6``;
+(d) alpha shifts toward the rewards that are hard to improve: the rank correlation, over the
+    rewards, between MARBLE's mean alpha and its specialist's improvement over the pretrained
+    model (in units of that reward's spread across arms) is below 0;
+(e) amortized MARBLE trains at >= 0.97x the weighted sum's throughput: the interval of the ratio
+    of median epoch times, paired by seed, above 0.97.
+
+``OUT`` gets ``results.json``, ``results.md`` and ``composite.png`` (the composite differences
+with their intervals).
+"""
+
+from __future__ import annotations
+
+import argparse
+import json
+import statistics
+import sys
+import time
+from collections.abc import Mapping, Sequence
+from concurrent.futures import ThreadPoolExecutor, as_completed
+from pathlib import Path
+from typing import Any
+
+import numpy as np
+from scipy.stats import spearmanr
+from tqdm.auto import tqdm
+
+from mogo_diffusion import compare
+from mogo_diffusion.bootstrap import Interval, bootstrap_interval, paired_interval
+from mogo_diffusion.config import Config
+from mogo_diffusion.evaluate import composite_zscores, read_metrics
+from mogo_diffusion.shapes.recipe import REWARDS
+
+__all__ = ["ARMS", "MARBLE", "REFERENCE", "REWARD_SETS", "analyse", "claims", "main", "plan"]
+
+REWARD_SETS: dict[str, tuple[str, ...]] = {
+    "prompt_following": ("shapes_color", "shapes_shape", "clipscore", "shapes_position", "shapes_count"),
+    "with_quality": REWARDS,
+}
+"""The two reward sets, frozen before the study's runs."""
+
+ARMS = ("weighted_sum", "sequential", "marble_n1", "marble_n10", "upgrad_n10", "cagrad_n10")
+"""The multi-reward arms trained on each reward set."""
+
+MARBLE = "marble_n10"
+"""The arm whose claims are judged, MARBLE amortized as the paper runs it."""
+
+REFERENCE = "weighted_sum"
+"""The arm every difference is paired against, the weighted sum of the rewards."""
+
+HARMONIZED_TOLERANCE = 1e-6
+"""A harmonized direction opposes a reward when its cosine is below this (round-off of the Gram)."""
+
+
+def plan(
+    out: Path,
+    *,
+    sets: Sequence[str] = tuple(REWARD_SETS),
+    arms: Sequence[str] = ARMS,
+    ablations: Sequence[str] = compare.ABLATIONS,
+    specialists: Sequence[str] | None = None,
+    seeds: Sequence[int] = range(5),
+    epochs: int = compare.EPOCHS,
+    quick: bool = False,
+) -> dict[tuple[str, str, int], Config]:
+    """Every run of the study, ``(group, arm, seed) -> config``, where ``group`` is a reward set
+    or ``"specialists"`` (trained once on every reward; by default one for each reward of the
+    sets). Ablations run on the first set."""
+    runs: dict[tuple[str, str, int], Config] = {}
+    rewards = sorted({r for name in sets for r in REWARD_SETS[name]}, key=REWARDS.index)
+    if specialists is not None:
+        if unknown := sorted(set(specialists) - set(rewards)):
+            raise ValueError(f"specialists {unknown} are not rewards of the sets {list(sets)}")
+        rewards = [r for r in rewards if r in specialists]
+
+    def add(group: str, arm: str, seed: int, names: Sequence[str] | None) -> None:
+        path = out / "runs" / group / arm.replace(":", "-") / f"seed{seed}"
+        runs[group, arm, seed] = compare.arm_config(
+            arm, seed, path, epochs=epochs, quick=quick, rewards=names
+        )
+
+    for seed in seeds:
+        for reward in rewards:
+            add("specialists", f"single:{reward}", seed, None)
+        for index, name in enumerate(sets):
+            for arm in (*arms, *(ablations if index == 0 else ())):
+                add(name, arm, seed, REWARD_SETS[name])
+    return runs
+
+
+def _held_out(history: Sequence[Mapping[str, Any]], names: Sequence[str]) -> list[float]:
+    last = [record for record in history if f"eval/{names[0]}" in record][-1]
+    return [float(last[f"eval/{name}"]) for name in names]
+
+
+def analyse(
+    names: Sequence[str],
+    base: Mapping[str, float],
+    histories: Mapping[str, Mapping[int, Sequence[Mapping[str, Any]]]],
+) -> dict[str, Any]:
+    """The numbers of one reward set.
+
+    Args:
+        names: the set's rewards.
+        base: the pretrained model's held-out means (``eval/<name>``).
+        histories: arm to seed to its run's metrics records (the last evaluation counts).
+
+    Returns:
+        A dict of ``rewards``, ``seeds``, ``base`` (the pretrained model's means), ``arms`` (for
+        each arm its per-seed ``means`` per reward and ``composite``, and its ``vs_reference`` and
+        ``vs_base`` intervals per reward and for the composite, each ``[mean, low, high]``) and
+        ``claims`` (:func:`claims`).
+    """
+    seeds = sorted(histories[REFERENCE])
+    means = {arm: {s: _held_out(runs[s], names) for s in seeds} for arm, runs in histories.items()}
+    base_means = [float(base[f"eval/{name}"]) for name in names]
+    averaged = {arm: np.mean([means[arm][s] for s in seeds], axis=0).tolist() for arm in means}
+    averaged["base"] = base_means
+    composite = {
+        arm: [composite_zscores({"run": means[arm][s]}, reference=averaged)["run"] for s in seeds]
+        for arm in means
+    }
+    base_composite = composite_zscores({"base": base_means}, reference=averaged)["base"]
+    rows: dict[str, Any] = {}
+    for arm in means:
+        per_reward = {k: [means[arm][s][i] for s in seeds] for i, k in enumerate(names)}
+        reference = {k: [means[REFERENCE][s][i] for s in seeds] for i, k in enumerate(names)}
+        rows[arm] = {
+            "means": per_reward,
+            "composite": composite[arm],
+            "vs_reference": {
+                **{k: _interval(per_reward[k], reference[k], arm) for k in names},
+                "composite": _interval(composite[arm], composite[REFERENCE], arm),
+            },
+            "vs_base": {
+                **{k: _interval(per_reward[k], base_means[i], None) for i, k in enumerate(names)},
+                "composite": _interval(composite[arm], base_composite, None),
+            },
+        }
+    summary = {"rewards": list(names), "seeds": seeds, "base": base_means, "arms": rows}
+    summary["claims"] = claims(summary, histories)
+    return summary
+
+
+def _interval(values: Sequence[float], reference: Sequence[float] | float, arm: str | None) -> list[float]:
+    if arm == REFERENCE:
+        return [0.0, 0.0, 0.0]
+    interval = paired_interval(values, reference)
+    return [interval.mean, interval.low, interval.high]
+
+
+def _verdict(intervals: Sequence[Sequence[float]], *, threshold: float = 0.0) -> str:
+    """ "reproduced" if every interval lies above ``threshold``, "not reproduced" if one lies below
+    it, else "undecided (CI spans 0)"."""
+    if all(low > threshold for _, low, _ in intervals):
+        return "reproduced"
+    if any(high < threshold for _, _, high in intervals):
+        return "not reproduced"
+    return "undecided (CI spans 0)"
+
+
+def _as_list(interval: Interval) -> list[float]:
+    return [interval.mean, interval.low, interval.high]
+
+
+def claims(summary: Mapping[str, Any], histories: Mapping[str, Mapping[int, Sequence[Mapping]]]) -> dict:
+    """Claims (a)-(e) of the module docstring, each ``{"verdict", "numbers"}``; a claim whose arms
+    were not run is left out."""
+    rows, names, seeds = summary["arms"], summary["rewards"], summary["seeds"]
+    result: dict[str, Any] = {}
+    if MARBLE not in rows:
+        return result
+    marble = rows[MARBLE]
+    a = {name: marble["vs_base"][name] for name in names}
+    result["a"] = {"verdict": _verdict(list(a.values())), "numbers": a}
+    others = {arm: row for arm, row in rows.items() if arm != MARBLE}
+    b = {arm: _as_list(paired_interval(marble["composite"], row["composite"])) for arm, row in others.items()}
+    b["base"] = marble["vs_base"]["composite"]
+    result["b"] = {"verdict": _verdict(list(b.values())), "numbers": b}
+    finals = [histories[MARBLE][s][-1] for s in seeds]
+    if all("conflict_rate" in f for f in finals):
+        rate = bootstrap_interval([f["conflict_rate"] for f in finals])
+        worst = min(f["worst_cosine_marble"] for f in finals)
+        verdict = _verdict([[rate.mean - 0.5, rate.low - 0.5, rate.high - 0.5]])
+        if worst < -HARMONIZED_TOLERANCE:
+            verdict = "not reproduced"
+        numbers = {"conflict_rate": _as_list(rate), "worst_cosine_marble": worst}
+        result["c"] = {"verdict": verdict, "numbers": numbers}
+    specialists = [f"single:{name}" for name in names]
+    if all(arm in rows for arm in specialists) and all(f"alpha/{n}" in finals[0] for n in names):
+        spreads = _reward_spreads(rows, names)
+        improvement = [
+            rows[f"single:{n}"]["vs_base"][n][0] / max(spread, 1e-12)
+            for n, spread in zip(names, spreads, strict=True)
+        ]
+        correlations = [
+            _spearman([_mean_alpha(histories[MARBLE][s], n) for n in names], improvement) for s in seeds
+        ]
+        d = bootstrap_interval(correlations)
+        result["d"] = {  # reproduced when the correlation is below 0: -rho above 0
+            "verdict": _verdict([[-d.mean, -d.high, -d.low]]),
+            "numbers": {"rank_correlation": _as_list(d), "specialist_improvement_z": improvement},
+        }
+    if REFERENCE in histories:
+        ratios = [
+            statistics.median(r["seconds"] for r in histories[REFERENCE][s])
+            / statistics.median(r["seconds"] for r in histories[MARBLE][s])
+            for s in seeds
+        ]
+        e = bootstrap_interval(ratios)
+        result["e"] = {"verdict": _verdict([_as_list(e)], threshold=0.97), "numbers": _as_list(e)}
+    return result
+
+
+def _mean_alpha(history: Sequence[Mapping[str, Any]], name: str) -> float:
+    """A run's alpha of reward ``name``, averaged over the epochs that logged it."""
+    return statistics.fmean(r[f"alpha/{name}"] for r in history if f"alpha/{name}" in r)
+
+
+def _reward_spreads(rows: Mapping[str, Any], names: Sequence[str]) -> list[float]:
+    """Each reward's std over the arms' seed-averaged held-out means."""
+    return [float(np.std([statistics.fmean(row["means"][n]) for row in rows.values()])) for n in names]
+
+
+def _spearman(x: Sequence[float], y: Sequence[float]) -> float:
+    """Spearman's rank correlation (ties at their average rank); 0 when either side is constant."""
+    if len(set(x)) < 2 or len(set(y)) < 2:
+        return 0.0
+    return float(spearmanr(x, y).statistic)
+
+
+def _markdown(results: Mapping[str, Any]) -> str:
+    """The study's tables: per set, each arm's held-out means with the paired difference to the
+    weighted sum, then the claims."""
+    lines = [f"Command: `{results['command']}`", ""]
+    for name, summary in results["sets"].items():
+        names = summary["rewards"]
+        lines += [f"## {name}", "", f"Seeds {summary['seeds']}; mean over seeds, then the mean difference "
+                  f"to {REFERENCE} paired by seed with its 95 % bootstrap interval.", ""]  # fmt: skip
+        lines += ["| arm | " + " | ".join([*names, "composite"]) + " |", "|---" * (len(names) + 2) + "|"]
+        lines.append("| base | " + " | ".join(f"{v:.3f}" for v in summary["base"]) + " | |")
+        for arm, row in summary["arms"].items():
+            cells = [
+                f"{statistics.fmean(row['means'][n]):.3f} ({_signed(row['vs_reference'][n])})" for n in names
+            ]
+            composite = (
+                f"{statistics.fmean(row['composite']):+.2f} ({_signed(row['vs_reference']['composite'])})"
+            )
+            lines.append(f"| {arm} | " + " | ".join([*cells, composite]) + " |")
+        lines += ["", "| claim | verdict | numbers |", "|---|---|---|"]
+        for key, claim in summary["claims"].items():
+            lines.append(f"| ({key}) | {claim['verdict']} | {_numbers(claim['numbers'])} |")
+        lines.append("")
+    return "\n".join(lines)
+
+
+def _signed(interval: Sequence[float]) -> str:
+    mean, low, high = interval
+    return f"{mean:+.3f} [{low:+.3f}, {high:+.3f}]"
+
+
+def _numbers(numbers: Any) -> str:
+    if isinstance(numbers, Mapping):
+        return "; ".join(f"{k}: {_numbers(v)}" for k, v in numbers.items())
+    if isinstance(numbers, Sequence) and len(numbers) == 3 and all(isinstance(v, float) for v in numbers):
+        return _signed(numbers)
+    if isinstance(numbers, Sequence):
+        return "[" + ", ".join(f"{v:+.2f}" for v in numbers) + "]"
+    return f"{numbers:.3g}"
+
+
+def _figure(results: Mapping[str, Any], path: Path) -> None:
+    import matplotlib
+
+    matplotlib.use("Agg")
+    import matplotlib.pyplot as plt
+
+    sets = results["sets"]
+    figure, axes = plt.subplots(1, len(sets), figsize=(5.2 * len(sets), 4.2), squeeze=False)
+    for axis, (name, summary) in zip(axes[0], sets.items(), strict=True):
+        arms = list(summary["arms"])
+        intervals = np.array([summary["arms"][arm]["vs_reference"]["composite"] for arm in arms])
+        y = np.arange(len(arms))
+        axis.errorbar(
+            intervals[:, 0], y, xerr=[intervals[:, 0] - intervals[:, 1], intervals[:, 2] - intervals[:, 0]],
+            fmt="o", color="tab:red", ecolor="gray", capsize=3,
+        )  # fmt: skip
+        axis.axvline(0, color="black", linewidth=0.5)
+        axis.set_yticks(y, arms, fontsize=7)
+        axis.set_xlabel(f"composite minus {REFERENCE}'s (95 % paired bootstrap)")
+        axis.set_title(name, fontsize=9)
+    figure.tight_layout()
+    figure.savefig(path, dpi=120)
+    plt.close(figure)
+
+
+def _parser() -> argparse.ArgumentParser:
+    parser = argparse.ArgumentParser(
+        prog="python -m mogo_diffusion.study",
+        description=__doc__.splitlines()[0],
+        formatter_class=argparse.ArgumentDefaultsHelpFormatter,
+    )
+    parser.add_argument("--out", type=Path, default=Path("runs/study"), help="output directory")
+    parser.add_argument("--seeds", type=int, default=5, help="seeds 0..N-1 per arm (at least 2)")
+    parser.add_argument("--epochs", type=int, default=compare.EPOCHS, help="epochs per run")
+    parser.add_argument("--jobs", type=int, default=2, help="runs at once, one thread each")
+    parser.add_argument("--sets", default=",".join(REWARD_SETS), help="comma-separated reward sets")
+    parser.add_argument("--arms", default=",".join(ARMS), help="comma-separated multi-reward arms")
+    parser.add_argument("--no-ablations", action="store_true", help="leave the ablation arms out")
+    parser.add_argument(
+        "--specialists", default=None, help="comma-separated rewards to train specialists for (default: all)"
+    )
+    parser.add_argument("--quick", action="store_true", help="a smoke run: tiny budget, not a result")
+    return parser
+
+
+def main(argv: list[str] | None = None) -> dict:
+    """Run (or continue) the study; returns its results (also ``OUT/results.json``)."""
+    parser = _parser()
+    args = parser.parse_args(argv)
+    sets = [name for name in args.sets.split(",") if name]
+    if unknown := [name for name in sets if name not in REWARD_SETS]:
+        parser.error(f"unknown reward sets {unknown}; sets: {', '.join(REWARD_SETS)}")
+    arms = [arm for arm in args.arms.split(",") if arm]
+    if REFERENCE not in arms:
+        parser.error(f"--arms must include {REFERENCE!r}, the arm every difference is paired against")
+    if args.seeds < 2:
+        parser.error("--seeds must be at least 2: a paired interval needs more than one seed")
+    if args.jobs < 1:
+        parser.error("--jobs must be >= 1")
+    try:
+        runs = plan(
+            args.out, sets=sets, arms=arms, ablations=() if args.no_ablations else compare.ABLATIONS,
+            specialists=None if args.specialists is None else args.specialists.split(","),
+            seeds=range(args.seeds), epochs=args.epochs, quick=args.quick,
+        )  # fmt: skip
+    except (ValueError, FileNotFoundError) as error:
+        parser.error(str(error))
+    started = time.perf_counter()
+    base = compare._evaluate_base(next(iter(runs.values())), args.out / "runs" / "base" / "eval.json")
+    todo = {key: c for key, c in runs.items() if not compare._finished(Path(c.train.out_dir), c.train.epochs)}
+    with (
+        ThreadPoolExecutor(max_workers=args.jobs) as pool,
+        tqdm(total=len(runs), initial=len(runs) - len(todo), desc="runs") as bar,
+    ):
+        futures = {pool.submit(compare._train, c, Path(c.train.out_dir)): key for key, c in todo.items()}
+        for future in as_completed(futures):
+            future.result()
+            bar.update()
+            bar.set_postfix_str("/".join(map(str, futures[future])))
+    seeds = range(args.seeds)
+    results: dict[str, Any] = {"sets": {}}
+    for name in sets:
+        trained = {arm for group, arm, _ in runs if group == "specialists"}
+        order = [
+            *(f"single:{r}" for r in REWARD_SETS[name] if f"single:{r}" in trained),
+            *dict.fromkeys(arm for group, arm, _ in runs if group == name),
+        ]
+        histories = {
+            arm: {
+                s: read_metrics(
+                    runs["specialists" if arm.startswith("single:") else name, arm, s].train.out_dir
+                )
+                for s in seeds
+            }
+            for arm in order
+        }
+        results["sets"][name] = analyse(REWARD_SETS[name], base, histories)
+    results["command"] = "python -m mogo_diffusion.study " + " ".join(
+        argv if argv is not None else sys.argv[1:]
+    )
+    results["seconds"] = time.perf_counter() - started
+    args.out.mkdir(parents=True, exist_ok=True)
+    (args.out / "results.json").write_text(json.dumps(results, indent=1) + "\n")
+    (args.out / "results.md").write_text(_markdown(results))
+    _figure(results, args.out / "composite.png")
+    tqdm.write(_markdown(results))
+    return results
+
+
+if __name__ == "__main__":
+    main()

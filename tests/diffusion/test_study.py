@@ -1,0 +1,112 @@
+"""The shapes study: its plan, its verdicts on constructed results, and a quick run end to end."""
+
+from __future__ import annotations
+
+import json
+
+import pytest
+
+from mogo_diffusion import compare, study
+
+NAMES = ("r1", "r2")
+SEEDS = range(5)
+SHARED = [0.02, -0.01, 0.0, 0.015, -0.02]  # a seed effect common to every arm
+
+
+def history(values, seed, *, seconds=1.0, alpha=None, conflict=None):
+    """Two epochs of metrics records ending in a held-out evaluation of ``values``."""
+    record = {
+        "seconds": seconds,
+        **{f"eval/{n}": v + SHARED[seed] for n, v in zip(NAMES, values, strict=True)},
+    }
+    if alpha is not None:
+        record.update({f"alpha/{n}": a for n, a in zip(NAMES, alpha, strict=True)})
+        record.update(conflict_rate=conflict, worst_cosine_marble=0.0)
+    return [{"seconds": seconds}, record]
+
+
+def histories(marble, *, marble_seconds=1.0, conflict=0.7):
+    arms = {
+        "single:r1": [0.52, 0.40],  # r1 is hard: its specialist gains 0.02
+        "single:r2": [0.45, 0.80],  # r2 is easy: 0.30
+        "weighted_sum": [0.50, 0.60],
+    }
+    result = {arm: {s: history(v, s) for s in SEEDS} for arm, v in arms.items()}
+    result["marble_n10"] = {
+        s: history(marble, s, seconds=marble_seconds, alpha=[0.7, 0.3], conflict=conflict + 0.01 * s)
+        for s in SEEDS
+    }
+    return result
+
+
+BASE = {"eval/r1": 0.50, "eval/r2": 0.50}
+
+
+def test_a_marble_better_on_every_reward_reproduces_every_claim():
+    summary = study.analyse(NAMES, BASE, histories([0.56, 0.70]))
+    verdicts = {key: claim["verdict"] for key, claim in summary["claims"].items()}
+    assert verdicts == dict.fromkeys("abcde", "reproduced")
+    mean, low, high = summary["arms"]["marble_n10"]["vs_reference"]["r1"]
+    assert mean == pytest.approx(0.06)
+    assert low == pytest.approx(0.06)  # the seed effect is shared, so pairing removes it entirely
+    assert high == pytest.approx(0.06)
+    assert summary["arms"]["weighted_sum"]["vs_reference"]["composite"] == [0.0, 0.0, 0.0]
+
+
+def test_what_marble_loses_is_not_reproduced_and_noise_is_undecided():
+    lost = study.analyse(NAMES, BASE, histories([0.45, 0.70], marble_seconds=1.2, conflict=0.2))
+    verdicts = {key: claim["verdict"] for key, claim in lost["claims"].items()}
+    assert verdicts["a"] == "not reproduced"  # r1 below the pretrained model in every seed
+    assert verdicts["c"] == "not reproduced"  # the weighted sum conflicted in a fifth of the steps
+    assert verdicts["e"] == "not reproduced"  # 1 / 1.2 < 0.97 in every seed
+    noisy = histories([0.56, 0.70])
+    for s, offset in zip(SEEDS, [0.3, -0.3, 0.3, -0.3, 0.1], strict=True):
+        noisy["marble_n10"][s][-1]["eval/r1"] += offset
+    assert study.analyse(NAMES, BASE, noisy)["claims"]["a"]["verdict"] == "undecided (CI spans 0)"
+
+
+def test_the_plan_shares_specialists_between_the_sets_and_runs_ablations_on_the_first(tmp_path):
+    runs = study.plan(tmp_path, arms=("weighted_sum", "marble_n10"), seeds=range(2))
+    groups = {(group, arm) for group, arm, _ in runs}
+    assert {arm for group, arm in groups if group == "specialists"} == {
+        f"single:{r}" for r in compare.REWARDS
+    }
+    assert {arm for group, arm in groups if group == "with_quality"} == {"weighted_sum", "marble_n10"}
+    first = {arm for group, arm in groups if group == "prompt_following"}
+    assert first == {"weighted_sum", "marble_n10", *compare.ABLATIONS}
+    config = runs["prompt_following", "marble_n10", 1]
+    chosen = study.REWARD_SETS["prompt_following"]
+    assert [spec.name for spec in config.rewards] == [
+        r for r in compare.REWARDS if r in chosen
+    ]  # their order
+    assert config.train.seed == 1
+    assert [spec.name for spec in runs["specialists", "single:clipscore", 0].rewards] == list(compare.REWARDS)
+    with pytest.raises(ValueError, match="specialists \\['sharpness'\\] are not rewards of the sets"):
+        study.plan(tmp_path, specialists=["sharpness"])
+
+
+def test_the_quick_study_runs_resumes_and_writes_its_results(tmp_path):
+    argv = ["--quick", "--out", str(tmp_path), "--seeds", "2", "--sets", "prompt_following", "--no-ablations",
+            "--arms", "weighted_sum,marble_n10", "--specialists", "shapes_color"]  # fmt: skip
+    results = study.main(argv)
+    summary = results["sets"]["prompt_following"]
+    assert list(summary["arms"]) == ["single:shapes_color", "weighted_sum", "marble_n10"]
+    assert set(summary["claims"]) == {"a", "b", "c", "e"}  # (d) needs every reward's specialist
+    assert all(claim["verdict"] in ("reproduced", "not reproduced", "undecided (CI spans 0)")
+               for claim in summary["claims"].values())  # fmt: skip
+    assert json.loads((tmp_path / "results.json").read_text())["sets"].keys() == {"prompt_following"}
+    assert "| (a) |" in (tmp_path / "results.md").read_text()
+    assert (tmp_path / "composite.png").stat().st_size > 10_000
+    metrics = tmp_path / "runs" / "prompt_following" / "marble_n10" / "seed1" / "metrics.jsonl"
+    written = metrics.stat().st_mtime_ns
+    study.main(argv)
+    assert metrics.stat().st_mtime_ns == written  # finished runs are not rerun
+
+
+def test_bad_arguments_are_named(tmp_path):
+    with pytest.raises(SystemExit):
+        study.main(["--out", str(tmp_path), "--sets", "colours"])
+    with pytest.raises(SystemExit):
+        study.main(["--out", str(tmp_path), "--arms", "marble_n10"])  # no weighted sum to pair against
+    with pytest.raises(SystemExit):
+        study.main(["--out", str(tmp_path), "--seeds", "1"])
