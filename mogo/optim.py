@@ -468,6 +468,8 @@ class HarmonizedOptimizer(torch.optim.Optimizer):
                 "meter": dict(vars(self.meter)),
             },
         }
+        if _stateful(self.weighting):  # e.g. PCGrad's generator
+            state["mogo"]["weighting"] = self.weighting.state_dict()
         for hook in self._optimizer_state_dict_post_hooks.values():
             result = hook(self, state)
             if result is not None:
@@ -499,6 +501,8 @@ class HarmonizedOptimizer(torch.optim.Optimizer):
             mine["grad_mode"],
             ConflictMeter(**mine["meter"]),
         )
+        if _stateful(self.weighting):
+            self.weighting.load_state_dict(mine["weighting"])
         self._begin_window()
         for hook in self._optimizer_load_state_dict_post_hooks.values():
             hook(self)
@@ -512,7 +516,13 @@ class HarmonizedOptimizer(torch.optim.Optimizer):
             problems.append(f"inner: not an optimizer state_dict (keys 'state', 'param_groups'), got {got}")
         if not isinstance(mine, dict):
             return [*problems, f"mogo: must be a dict, got {type(mine).__name__}"]
-        fields = ("objectives", "amortizer", "grad_mode", "meter")
+        fields = (
+            "objectives",
+            "amortizer",
+            "grad_mode",
+            "meter",
+            *(("weighting",) if _stateful(self.weighting) else ()),
+        )
         problems += [f"mogo.{field}: missing" for field in fields if field not in mine]
         problems += [f"mogo.{field}: unexpected" for field in sorted(map(str, set(mine) - set(fields)))]
         objectives = mine.get("objectives", list(self.objectives))
@@ -530,6 +540,10 @@ class HarmonizedOptimizer(torch.optim.Optimizer):
             problems += [f"mogo.amortizer.{problem}" for problem in amortizer]
         if "meter" in mine:
             problems += [f"mogo.meter.{problem}" for problem in ConflictMeter.state_problems(mine["meter"])]
+        if _stateful(self.weighting) and "weighting" in mine:
+            problems += [
+                f"mogo.weighting.{problem}" for problem in self.weighting.state_problems(mine["weighting"])
+            ]
         return problems
 
     def __getstate__(self) -> dict[str, Any]:
@@ -574,6 +588,12 @@ def _sum_weights(sum_weights: Sequence[float], K: int) -> Tensor:
         raise ValueError(f"sum_weights: {error}") from None
 
 
+def _stateful(weighting: Weighting) -> bool:
+    """Whether a weighting has state of its own to checkpoint (``state_dict``, ``load_state_dict``
+    and a ``state_problems`` check, as :class:`mogo.PCGrad`'s generator)."""
+    return all(hasattr(weighting, name) for name in ("state_dict", "load_state_dict", "state_problems"))
+
+
 def _zero_weights(gram: Tensor) -> Weights:
     """Weights 0 for ``A`` objectives (``gram``: ``(A, A)``) whose gradients are all zero."""
     A = gram.shape[0]
@@ -591,6 +611,7 @@ class _Window:
             copy.copy(vars(optimizer.meter)),
             optimizer.last_report,
             optimizer.grad_mode,
+            optimizer.weighting.state_dict() if _stateful(optimizer.weighting) else None,
         )
         self.weights: Tensor | None = None  # (K,) loss weights solved on this window's first micro-batch
         self.skipped = False  # a non-finite value skipped the step
@@ -603,10 +624,12 @@ class _Window:
         """Put mogo's state back as it was when the window opened: the amortizer's schedule and
         cache (its tensors are replaced, never changed in place), the meter, ``last_report`` and
         ``grad_mode`` (an ``"auto"`` fallback is found again, on the next harmonization)."""
-        amortizer, meter, optimizer.last_report, optimizer.grad_mode = self._saved
+        amortizer, meter, optimizer.last_report, optimizer.grad_mode, weighting = self._saved
         vars(optimizer.amortizer).clear()
         vars(optimizer.amortizer).update(amortizer)
         vars(optimizer.meter).update(meter)
+        if weighting is not None:
+            optimizer.weighting.load_state_dict(weighting)
 
 
 _ONE_PROCESS = _Layout()

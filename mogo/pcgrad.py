@@ -19,6 +19,8 @@ side by side, one vectorised step per position of the orders. Random orders come
 
 from __future__ import annotations
 
+from typing import Any
+
 import numpy as np
 import torch
 from torch import Tensor
@@ -64,6 +66,29 @@ class PCGrad:
             conflict = (j != rows) & (inner < 0)
             coefficients[rows[conflict], j[conflict]] -= inner[conflict] / G[j[conflict], j[conflict]]
         return Weights.from_combination(torch.from_numpy(coefficients.sum(axis=0)).to(gram.device))
+
+    def state_dict(self) -> dict[str, Tensor]:
+        """``{"generator": its state}``: what :class:`mogo.HarmonizedOptimizer` checkpoints, so a
+        resumed run draws the orders the uninterrupted one would."""
+        return {"generator": self.generator.get_state()}
+
+    @staticmethod
+    def state_problems(state: Any) -> list[str]:
+        """What is wrong with a :meth:`state_dict` (``"field: problem"``), checked on a scratch
+        generator: nothing of this weighting changes."""
+        if not isinstance(state, dict) or set(state) != {"generator"}:
+            return [f"must be {{'generator': a generator state}}, got {state!r:.80}"]
+        try:
+            torch.Generator().set_state(state["generator"])
+        except (TypeError, RuntimeError) as error:
+            return [f"generator: not a CPU generator's state ({error})"]
+        return []
+
+    def load_state_dict(self, state: dict[str, Tensor]) -> None:
+        """Restore a :meth:`state_dict` (``ValueError`` naming the problem, nothing changed)."""
+        if problems := self.state_problems(state):
+            raise ValueError(f"PCGrad state: {'; '.join(problems)}")
+        self.generator.set_state(state["generator"])
 
     def __repr__(self) -> str:
         return f"PCGrad(seed={self.seed!r})"

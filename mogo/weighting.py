@@ -99,7 +99,12 @@ class Weights:
 
 
 class Weighting(Protocol):
-    """Anything that maps ``(G (K, K) float64, losses (K,))`` to :class:`Weights`."""
+    """Anything that maps ``(G (K, K) float64, losses (K,))`` to :class:`Weights`.
+
+    A weighting with state of its own (:class:`mogo.PCGrad`'s generator) also defines
+    ``state_dict()``, ``load_state_dict(state)`` and ``state_problems(state) -> list[str]``;
+    :class:`mogo.HarmonizedOptimizer` then checkpoints that state and restores it on a skipped step.
+    """
 
     def __call__(self, gram: Tensor, losses: Tensor) -> Weights: ...
 

@@ -8,6 +8,7 @@ inexact, its own certificate says so, and ours must then be certified exact inst
 
 from __future__ import annotations
 
+import copy
 import sys
 import warnings
 
@@ -572,3 +573,47 @@ def test_the_adapter_checks_the_weights_it_gets():
         adapter(torch.eye(2, dtype=torch.float64), torch.ones(2))
     with pytest.raises(TypeError, match="must be a TorchJD weighting"):
         mogo.TorchJDWeighting(3)
+
+
+def test_pcgrads_generator_is_checkpointed_and_restored_on_a_skipped_step():
+    """A resumed PCGrad run draws the orders the uninterrupted one draws, and a skipped step leaves
+    the generator where it was."""
+    torch.manual_seed(0)
+    x, y = torch.randn(32, 4), torch.randn(32, 3)
+
+    def make():
+        torch.manual_seed(1)
+        model = torch.nn.Linear(4, 3)
+        inner = torch.optim.SGD(model.parameters(), lr=0.1)
+        return model, mogo.HarmonizedOptimizer(inner, 3, weighting=mogo.PCGrad(seed=5), nonfinite="skip")
+
+    def step(model, opt, scale=1.0):
+        opt.zero_grad()
+        opt.backward(((model(x) - y) ** 2).mean(0) * scale)
+        opt.step()
+
+    model, opt = make()
+    for _ in range(3):
+        step(model, opt)
+    state = copy.deepcopy(opt.state_dict())
+    saved = [p.detach().clone() for p in model.parameters()]
+    assert set(state["mogo"]["weighting"]) == {"generator"}
+    before = opt.weighting.generator.get_state()
+    step(model, opt, scale=float("nan"))  # skipped: the generator it advanced is put back
+    assert torch.equal(opt.weighting.generator.get_state(), before)
+    step(model, opt)
+    resumed_model, resumed = make()
+    with torch.no_grad():
+        for p, value in zip(resumed_model.parameters(), saved, strict=True):
+            p.copy_(value)
+    resumed.load_state_dict(state)
+    step(resumed_model, resumed, scale=float("nan"))
+    step(resumed_model, resumed)
+    for p, q in zip(resumed_model.parameters(), model.parameters(), strict=True):
+        assert torch.equal(p, q)
+    bad = {**state, "mogo": {**state["mogo"], "weighting": {"generator": torch.zeros(3, dtype=torch.uint8)}}}
+    with pytest.raises(ValueError, match=r"mogo\.weighting\.generator: not a CPU generator's state"):
+        resumed.load_state_dict(bad)
+    missing = {**state, "mogo": {k: v for k, v in state["mogo"].items() if k != "weighting"}}
+    with pytest.raises(ValueError, match=r"mogo\.weighting: missing"):
+        resumed.load_state_dict(missing)
