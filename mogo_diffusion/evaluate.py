@@ -5,7 +5,8 @@
   the rewards, so rewards on different scales count alike.
 * :func:`plot_run`: the curves of a run directory's ``metrics.jsonl`` (per-reward means, held-out
   means, alpha, conflict rate) in one PNG.
-* :func:`save_grid`: ``[N, 3, H, W]`` images in ``[0, 1]`` as one PNG, ``columns`` per row.
+* :func:`save_grid`: ``[N, 3, H, W]`` images in ``[0, 1]`` as one PNG, ``columns`` per row;
+  :func:`save_comparison`: the pretrained and trained images of the same prompts side by side.
 """
 
 from __future__ import annotations
@@ -22,7 +23,7 @@ from torch import Tensor
 
 from mogo_diffusion.rewards import to_uint8
 
-__all__ = ["composite_zscores", "plot_run", "read_metrics", "reward_zscores", "save_grid"]
+__all__ = ["composite_zscores", "plot_run", "read_metrics", "reward_zscores", "save_comparison", "save_grid"]
 
 
 def _standardized(
@@ -127,4 +128,40 @@ def save_grid(images: Tensor, path: str | os.PathLike[str], columns: int = 8, sc
     picture = picture.resize((picture.width * scale, picture.height * scale), Image.NEAREST)
     path = Path(path)
     picture.save(path)
+    return path
+
+
+def save_comparison(
+    base: Tensor, trained: Tensor, prompts: Sequence[str], path: str | os.PathLike[str], columns: int = 4
+) -> Path:
+    """Save the pretrained and the trained model's images of the same prompts and noise side by
+    side, each pair under its prompt, as one PNG. ``base`` and ``trained``: ``[N, 3, H, W]`` in
+    ``[0, 1]``, one image per prompt."""
+    if base.shape != trained.shape or base.ndim != 4 or len(base) != len(prompts) or not len(prompts):
+        raise ValueError(
+            f"base {tuple(base.shape)} and trained {tuple(trained.shape)} must be [N, 3, H, W] for the "
+            f"{len(prompts)} prompts"
+        )
+    import textwrap
+
+    import matplotlib
+
+    matplotlib.use("Agg")
+    import matplotlib.pyplot as plt
+
+    rows = math.ceil(len(prompts) / columns)
+    figure, axes = plt.subplots(rows, columns, figsize=(2.3 * columns, 1.75 * rows), squeeze=False)
+    for axis in axes.flat:
+        axis.axis("off")
+    for axis, before, after, prompt in zip(
+        axes.flat, to_uint8(base), to_uint8(trained), prompts, strict=False
+    ):
+        gap = np.full((before.shape[0], 2, 3), 255, dtype=np.uint8)
+        axis.imshow(np.concatenate([before, gap, after], axis=1), interpolation="nearest")
+        axis.set_title("\n".join(textwrap.wrap(prompt, 34)[:3]), fontsize=5.5)
+    figure.suptitle("pretrained (left) and trained (right), same prompt and noise", fontsize=8)
+    figure.tight_layout()
+    path = Path(path)
+    figure.savefig(path, dpi=150)
+    plt.close(figure)
     return path

@@ -16,7 +16,10 @@ uninterrupted run does.
 Every ``train.eval_every`` epochs (and after the last) the evaluation EMA samples
 ``sampling.eval_prompts`` with fixed noise, the same in every run, and the rewards' means are
 logged as ``eval/{name}``. The run directory gets ``config.yaml``, ``metrics.jsonl``,
-``checkpoints/``, and at the end ``samples.png`` (the last evaluation's images) and ``curves.png``.
+``checkpoints/``, and at the end ``samples.png`` (the pretrained and the trained model's images of the
+first :data:`SAMPLES_SHOWN` evaluation prompts, side by side, same noise) and ``curves.png``. An
+evaluation also logs the rewards' batch diagnostics as ``diagnostic/{name}`` (the shapes world's
+``distinct_scenes``: how many different scenes the detector reads, a guard against collapse).
 """
 
 from __future__ import annotations
@@ -49,7 +52,7 @@ from mogo_diffusion.checkpoint import (
     save_checkpoint,
 )
 from mogo_diffusion.config import Config, ConfigError, add_config_arguments, config_from_args
-from mogo_diffusion.evaluate import plot_run, save_grid
+from mogo_diffusion.evaluate import plot_run, save_comparison
 from mogo_diffusion.nft import kl_loss, nft_terms
 from mogo_diffusion.prompts import PromptSet, load_prompt_set
 from mogo_diffusion.rewards import MultiReward, make_reward, reward_factory
@@ -57,7 +60,7 @@ from mogo_diffusion.sampling import Samples, decode, sample
 from mogo_diffusion.strategies import Strategy, make_strategy
 from mogo_diffusion.streams import stream_seed
 
-__all__ = ["DEFAULT_PROMPTS", "EVAL_SEED", "Batch", "Trainer", "check_config", "main"]
+__all__ = ["DEFAULT_PROMPTS", "EVAL_SEED", "SAMPLES_SHOWN", "Batch", "Trainer", "check_config", "main"]
 
 DEFAULT_PROMPTS = tuple(
     f"a {color} {shape} on a {background} background"
@@ -66,6 +69,8 @@ DEFAULT_PROMPTS = tuple(
     for background in ("white", "black")
 )
 DTYPES = {"float32": torch.float32, "float16": torch.float16, "bfloat16": torch.bfloat16}
+SAMPLES_SHOWN = 16
+"""Evaluation prompts whose base and trained images ``samples.png`` shows side by side."""
 EVAL_SEED = 20_240_601
 """The seed of the evaluation noise, the same for every run and seed, so that runs compare sample
 by sample."""
@@ -314,10 +319,7 @@ class Trainer:
         if self.eval_prompts is None or not self.accelerator.is_main_process:
             return {}
         prompts, metadata = self.eval_prompts
-        config = self.transformer.config
-        shape = (len(prompts), config.in_channels, config.sample_size, config.sample_size)
-        noise = torch.randn(shape, generator=torch.Generator().manual_seed(EVAL_SEED)).to(self.device)
-        embeds, pooled = models.encode_prompts(self.pipeline, prompts, self.config.model.max_sequence_length)
+        noise, embeds, pooled = self._eval_inputs(prompts)
         trained = [p.detach().clone() for p in self.params]
         with torch.no_grad():
             for p, ema in zip(self.params, self.eval_ema, strict=True):
@@ -331,7 +333,27 @@ class Trainer:
                     p.copy_(value)
         self.eval_images = images
         means = nan_mean(self.rewards(images, prompts, metadata).values)
-        return {f"eval/{name}": float(m) for name, m in zip(self.names, means, strict=True)}
+        metrics = {f"eval/{name}": float(m) for name, m in zip(self.names, means, strict=True)}
+        metrics.update({f"diagnostic/{k}": v for k, v in self.rewards.diagnostics(images).items()})
+        return metrics
+
+    def _eval_inputs(self, prompts: Sequence[str]) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor]:
+        """The evaluation noise of ``prompts`` (seeded by :data:`EVAL_SEED`) and their embeddings."""
+        config = self.transformer.config
+        shape = (len(prompts), config.in_channels, config.sample_size, config.sample_size)
+        noise = torch.randn(shape, generator=torch.Generator().manual_seed(EVAL_SEED)).to(self.device)
+        embeds, pooled = models.encode_prompts(self.pipeline, prompts, self.config.model.max_sequence_length)
+        return noise, embeds, pooled
+
+    def base_samples(self, count: int) -> torch.Tensor:
+        """The pretrained model's images (adapters disabled) of the first ``count`` evaluation
+        prompts, from the noise :meth:`evaluate` gives them: what its images are compared with."""
+        noise, embeds, pooled = self._eval_inputs(self.eval_prompts.prompts)
+        part = slice(0, count)
+        with models.reference(self.transformer):
+            steps = self.config.sampling.eval_num_steps
+            _, images = self._sample(embeds[part], pooled[part], noise[part], steps)
+        return images
 
     def advantages(self, batch: Batch, epoch: int) -> torch.Tensor:
         """``[B, J]`` advantages of the scored ``batch``, one column per objective the strategy
@@ -636,7 +658,11 @@ class Trainer:
             tracker.finish()
         if main and history:
             if self.eval_images is not None:
-                save_grid(self.eval_images, self.out / "samples.png")
+                count = min(SAMPLES_SHOWN, len(self.eval_images))
+                prompts = self.eval_prompts.prompts[:count]
+                save_comparison(
+                    self.base_samples(count), self.eval_images[:count], prompts, self.out / "samples.png"
+                )
             plot_run(self.out)
         self.accelerator.wait_for_everyone()
         return history

@@ -91,3 +91,14 @@ class MultiReward:
                 results = list(pool.map(score, self.rewards))
         values = torch.stack([r[0] for r in results], dim=1)
         return RewardScores(values, self.names, tuple(r[1] for r in results))
+
+    def diagnostics(self, images: Tensor) -> dict[str, float]:
+        """Batch-level numbers of the rewards that define ``diagnostics(images) -> dict`` (e.g. the
+        shapes world's ``distinct_scenes``), each kind of reward asked once."""
+        found: dict[str, float] = {}
+        asked: set[type] = set()
+        for reward in self.rewards:
+            if hasattr(reward, "diagnostics") and type(reward) not in asked:
+                asked.add(type(reward))
+                found.update(reward.diagnostics(images))
+        return found

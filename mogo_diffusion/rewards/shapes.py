@@ -110,6 +110,15 @@ class ShapesReward:
         scores = [self.score(d, m) for d, m in zip(found, metadata, strict=True)]
         return torch.tensor(scores, dtype=torch.float32)
 
+    def diagnostics(self, images: Tensor) -> dict[str, float]:
+        """``{"distinct_scenes": n}``: how many different scenes (background and the multiset of
+        shape-colour objects) the detector reads among ``images``. A collapsed model draws few,
+        whatever the prompts ask, which a mean reward can hide."""
+        scenes = {
+            (d.background, tuple(sorted((o.shape, o.color) for o in d.objects))) for d in detect_batch(images)
+        }
+        return {"distinct_scenes": float(len(scenes))}
+
 
 SHAPES_REWARDS: dict[str, Score] = {
     "shapes_color": color_score,

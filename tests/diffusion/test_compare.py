@@ -24,6 +24,7 @@ def test_the_default_command_trains_the_shapes_world(tmp_path):
     assert 0 <= records[-1]["eval/shapes_color"] <= 1
     assert -1 <= records[-1]["eval/clipscore"] <= 1  # the tiny CLIP through the CLIPScore wrapper
     assert records[-1]["worst_cosine_marble"] >= -1e-6  # the harmonized direction opposes no reward
+    assert 1 <= records[-1]["diagnostic/distinct_scenes"] <= 8  # the collapse guard, of 8 held-out images
     for name in ("samples.png", "curves.png", "config.yaml"):
         assert (out / name).stat().st_size > 0
 

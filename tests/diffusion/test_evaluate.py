@@ -16,6 +16,7 @@ from mogo_diffusion.evaluate import (
     plot_run,
     read_metrics,
     reward_zscores,
+    save_comparison,
     save_grid,
 )
 
@@ -81,3 +82,15 @@ def test_save_grid_places_each_image(tmp_path):
     assert grid[1, 1].tolist() == [0, 0, 0]
     with pytest.raises(ValueError, match=r"\[N, 3, H, W\]"):
         save_grid(torch.zeros(3, 4, 4), tmp_path / "bad.png")
+
+
+def test_save_comparison_shows_each_prompt_with_its_two_images(tmp_path):
+    base, trained = torch.zeros(5, 3, 8, 8), torch.ones(5, 3, 8, 8)
+    path = save_comparison(
+        base, trained, [f"prompt {i}" for i in range(5)], tmp_path / "pairs.png", columns=3
+    )
+    picture = np.asarray(Image.open(path).convert("L"))
+    assert picture.min() == 0  # the black base images are drawn
+    assert picture.shape[1] > picture.shape[0]  # two rows of three pairs, wider than tall
+    with pytest.raises(ValueError, match="must be \\[N, 3, H, W\\] for the 4 prompts"):
+        save_comparison(base, trained, ["a"] * 4, tmp_path / "bad.png")

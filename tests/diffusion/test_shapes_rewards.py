@@ -138,3 +138,15 @@ def test_an_empty_batch_scores_empty():
         scores = make_reward(name)(torch.zeros(0, 3, 32, 32), [], [])
         assert scores.shape == (0,), name
         assert scores.dtype == torch.float32, name
+
+
+def test_distinct_scenes_counts_what_the_detector_reads_and_each_kind_of_reward_is_asked_once(pool):
+    """The collapse guard: k different scenes repeated read as k, whatever the repetition."""
+    distinct = list(
+        {(s.background, tuple(sorted((o.shape, o.color) for o in s.objects))): s for s in pool[:40]}.values()
+    )
+    images = render_batch([*distinct[:5], *distinct[:5], distinct[0]])
+    rewards = MultiReward([make_reward(n) for n in NAMES])
+    assert rewards.diagnostics(images) == {"distinct_scenes": 5.0}
+    assert rewards.diagnostics(render_batch([distinct[0]] * 8)) == {"distinct_scenes": 1.0}
+    assert MultiReward([make_reward("jpeg_compressibility")]).diagnostics(images) == {}
