@@ -39,7 +39,7 @@ import statistics
 import subprocess
 import sys
 import time
-from collections.abc import Sequence
+from collections.abc import Mapping, Sequence
 from concurrent.futures import ThreadPoolExecutor, as_completed
 from pathlib import Path
 from typing import Any
@@ -194,6 +194,25 @@ def _evaluate_base(config: Config, path: Path) -> dict[str, float]:
     means["seconds"] = time.perf_counter() - started
     path.parent.mkdir(parents=True, exist_ok=True)
     path.write_text(json.dumps(means, indent=2) + "\n")
+    return means
+
+
+def run_all(configs: Mapping[tuple, Config], base: Path, *, jobs: int) -> dict[str, float]:
+    """Train every run of ``configs`` (key to config) not finished yet, ``jobs`` at a time, each a
+    ``python -m mogo_diffusion.train`` subprocess with one thread; returns the pretrained model's
+    held-out means, evaluated once and cached at ``base``. Finished runs are not rerun, so an
+    interrupted comparison continues where it stopped (an unfinished run starts over)."""
+    means = _evaluate_base(next(iter(configs.values())), base)
+    todo = {key: c for key, c in configs.items() if not _finished(Path(c.train.out_dir), c.train.epochs)}
+    with (
+        ThreadPoolExecutor(max_workers=jobs) as pool,
+        tqdm(total=len(configs), initial=len(configs) - len(todo), desc="runs") as bar,
+    ):
+        futures = {pool.submit(_train, c, Path(c.train.out_dir)): key for key, c in todo.items()}
+        for future in as_completed(futures):
+            future.result()
+            bar.update()
+            bar.set_postfix_str("/".join(map(str, futures[future])))
     return means
 
 
@@ -410,17 +429,7 @@ def main(argv: list[str] | None = None) -> dict:
     except FileNotFoundError as error:
         parser.error(str(error))
     started = time.perf_counter()
-    base = _evaluate_base(next(iter(configs.values())), out / "runs" / "base" / "eval.json")
-    todo = {key: c for key, c in configs.items() if not _finished(Path(c.train.out_dir), c.train.epochs)}
-    with (
-        ThreadPoolExecutor(max_workers=args.jobs) as pool,
-        tqdm(total=len(configs), initial=len(configs) - len(todo), desc="runs") as bar,
-    ):
-        futures = {pool.submit(_train, c, Path(c.train.out_dir)): key for key, c in todo.items()}
-        for future in as_completed(futures):
-            future.result()
-            bar.update()
-            bar.set_postfix_str("/".join(map(str, futures[future])))
+    base = run_all(configs, out / "runs" / "base" / "eval.json", jobs=args.jobs)
     records = {
         arm: {seed: read_metrics(configs[arm, seed].train.out_dir) for seed in seeds} for arm in chosen
     }

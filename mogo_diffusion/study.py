@@ -44,7 +44,6 @@ import statistics
 import sys
 import time
 from collections.abc import Mapping, Sequence
-from concurrent.futures import ThreadPoolExecutor, as_completed
 from pathlib import Path
 from typing import Any
 
@@ -364,17 +363,7 @@ def main(argv: list[str] | None = None) -> dict:
     except (ValueError, FileNotFoundError) as error:
         parser.error(str(error))
     started = time.perf_counter()
-    base = compare._evaluate_base(next(iter(runs.values())), args.out / "runs" / "base" / "eval.json")
-    todo = {key: c for key, c in runs.items() if not compare._finished(Path(c.train.out_dir), c.train.epochs)}
-    with (
-        ThreadPoolExecutor(max_workers=args.jobs) as pool,
-        tqdm(total=len(runs), initial=len(runs) - len(todo), desc="runs") as bar,
-    ):
-        futures = {pool.submit(compare._train, c, Path(c.train.out_dir)): key for key, c in todo.items()}
-        for future in as_completed(futures):
-            future.result()
-            bar.update()
-            bar.set_postfix_str("/".join(map(str, futures[future])))
+    base = compare.run_all(runs, args.out / "runs" / "base" / "eval.json", jobs=args.jobs)
     seeds = range(args.seeds)
     results: dict[str, Any] = {"sets": {}}
     for name in sets:
