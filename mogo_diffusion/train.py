@@ -39,6 +39,7 @@ from accelerate.tracking import get_available_trackers
 from accelerate.utils import LoggerType
 from tqdm.auto import tqdm
 
+from mogo._extras import MissingExtraError, require
 from mogo_diffusion import models
 from mogo_diffusion.advantages import nan_mean
 from mogo_diffusion.checkpoint import (
@@ -97,6 +98,11 @@ def _trackers(names: Sequence[str]) -> list[str]:
     for name in names:
         if name not in known:
             raise ConfigError(f"train.log_with: unknown tracker {name!r}; known: {', '.join(known)}")
+        if name == "tensorboard":
+            try:
+                require("train.log_with: tracker 'tensorboard'", "tracking")
+            except MissingExtraError as error:
+                raise ConfigError(str(error)) from None
         if name not in available:
             raise ConfigError(f"train.log_with: tracker {name!r} needs its package: pip install {name}")
     return list(names)
