@@ -659,6 +659,11 @@ def main(argv: list[str] | None = None) -> None:
     )
     add_config_arguments(parser)
     parser.add_argument("--resume", default=None, help="'latest' or a checkpoint directory")
+    parser.add_argument(
+        "--check",
+        action="store_true",
+        help="check the config, the weights it names (offline) and the memory it needs, then exit",
+    )
     args = parser.parse_args(argv)
     try:
         defaults = None
@@ -670,6 +675,10 @@ def main(argv: list[str] | None = None) -> None:
         check_config(config)
     except (ConfigError, FileNotFoundError) as error:
         parser.error(str(error))
+    if args.check:
+        from mogo_diffusion.preflight import run
+
+        raise SystemExit(run(config))
     trainer = Trainer(config)
     if args.resume:
         try:
