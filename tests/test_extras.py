@@ -60,6 +60,15 @@ def test_the_training_command_without_the_diffusion_extra_prints_one_line(tmp_pa
     assert result.stderr == DIFFUSION + "\n"
 
 
+def test_the_console_script_without_the_diffusion_extra_prints_one_line(tmp_path):
+    """``mogo-train`` as pip writes it: a script of that name that imports and calls ``main``."""
+    script = tmp_path / "mogo-train"
+    script.write_text("import sys\nfrom mogo_diffusion.train import main\nsys.exit(main())\n")
+    result = run_without(tmp_path, ("accelerate",), str(script), "--check")
+    assert result.returncode == 1
+    assert result.stderr == DIFFUSION + "\n"
+
+
 def test_importing_mogo_diffusion_without_the_extra_raises_an_import_error(tmp_path):
     code = (
         "import mogo\n"  # mogo itself needs only torch, numpy and scipy
