@@ -2,6 +2,7 @@
 
 from __future__ import annotations
 
+import sys
 from pathlib import Path
 
 import pytest
@@ -190,3 +191,24 @@ def test_a_pipeline_in_the_hub_cache_passes_and_one_missing_a_component_is_named
         f"model.pretrained: 'org/tiny' lacks the weights of vae (in '{repo}/snapshots/abc123'): "
         "hf download org/tiny"
     ]
+
+
+@pytest.mark.parametrize("path", CONFIGS, ids=[path.stem for path in CONFIGS])
+def test_every_shipped_config_passes_the_check_up_to_missing_weights_and_prompts(path):
+    """Here nothing is downloaded: each problem is a missing file with the command that fetches it."""
+    report = preflight(load_config(path))
+    assert report.transformer_parameters is not None
+    assert report.peak_bytes is not None
+    for problem in report.problems:
+        assert "hf download " in problem or "git clone https://github.com/NVlabs/DiffusionNFT" in problem, (
+            problem
+        )
+
+
+def test_the_check_names_the_ocr_extra_when_rapidocr_is_missing(monkeypatch):
+    monkeypatch.setitem(sys.modules, "rapidocr_onnxruntime", None)  # Python's own way to block an import
+    report = preflight(load_config(ROOT / "configs" / "sd35m_single_ocr.yaml"))
+    assert (
+        "rewards.0: the 'ocr' reward needs the ocr extra (missing: rapidocr_onnxruntime): "
+        "pip install 'mogo[ocr]'" in report.problems
+    )
