@@ -1,7 +1,8 @@
 """Without an optional dependency, each feature that needs it fails with one line naming the install
 command. Each test runs Python for real in an environment that lacks the packages: a folder of
-symlinks to the installed site-packages minus those packages (and their ``.dist-info``), run with
-``-S -E -s`` so that the real site-packages is not on the path."""
+symlinks to what ``pip install mogo`` installs (torch, numpy, scipy and their requirements), or to
+the installed site-packages minus some packages, run with ``-S -E -s`` so that the real
+site-packages is not on the path."""
 
 from __future__ import annotations
 
@@ -29,16 +30,15 @@ def _dist_infos(module: str) -> set[str]:
     return {_normal(name) for name in importlib.metadata.packages_distributions().get(module, [])}
 
 
-def run_without(tmp_path: Path, modules: tuple[str, ...], *args: str) -> subprocess.CompletedProcess:
-    """Run ``python -S -E -s *args`` in a copy (by symlinks) of site-packages that lacks ``modules``;
-    the working directory (first on ``sys.path``) holds the links and this checkout's packages."""
-    dists = set().union(*(_dist_infos(m) for m in modules))
+def _run_in(tmp_path: Path, keep, args: tuple[str, ...]) -> subprocess.CompletedProcess:
+    """Run ``python -S -E -s *args`` in a folder of symlinks to the site-packages entries that
+    ``keep(top-level name, normalised distribution name or None)`` accepts, and this checkout's
+    packages; the folder is the working directory, first on ``sys.path``."""
     for entry in SITE.iterdir():
         stem = entry.name.split(".")[0]
         dist = _normal(entry.name.split("-")[0]) if entry.name.endswith("-info") else None
-        if stem in modules or dist in dists or stem in ("mogo", "mogo_diffusion"):
-            continue
-        (tmp_path / entry.name).symlink_to(entry)
+        if stem not in ("mogo", "mogo_diffusion") and keep(stem, dist):
+            (tmp_path / entry.name).symlink_to(entry)
     for package in ("mogo", "mogo_diffusion"):
         (tmp_path / package).symlink_to(ROOT / package)
     return subprocess.run(
@@ -51,38 +51,74 @@ def run_without(tmp_path: Path, modules: tuple[str, ...], *args: str) -> subproc
     )
 
 
-DIFFUSION = "mogo_diffusion needs the diffusion extra (missing: accelerate): pip install 'mogo[diffusion]'"
+def run_without(tmp_path: Path, modules: tuple[str, ...], *args: str) -> subprocess.CompletedProcess:
+    """``python *args`` where everything installed here is, but ``modules`` (and their dist-info)."""
+    dists = set().union(*(_dist_infos(m) for m in modules))
+    return _run_in(tmp_path, lambda stem, dist: stem not in modules and dist not in dists, args)
 
 
-def test_the_training_command_without_the_diffusion_extra_prints_one_line(tmp_path):
-    result = run_without(tmp_path, ("accelerate",), "-m", "mogo_diffusion.train", "--check")
+def _requirements(names: tuple[str, ...]) -> set[str]:
+    """The normalised names of distributions ``names`` and everything they require (no extras)."""
+    from packaging.requirements import Requirement
+
+    seen: set[str] = set()
+    todo = list(names)
+    while todo:
+        name = _normal(todo.pop())
+        if name not in seen:
+            seen.add(name)
+            for line in importlib.metadata.distribution(name).requires or []:
+                requirement = Requirement(line)
+                if requirement.marker is None or requirement.marker.evaluate({"extra": ""}):
+                    todo.append(requirement.name)
+    return seen
+
+
+def run_bare(tmp_path: Path, *args: str) -> subprocess.CompletedProcess:
+    """``python *args`` where only what ``pip install mogo`` installs is: torch, numpy, scipy and
+    their requirements."""
+    dists = _requirements(("torch", "numpy", "scipy"))
+    tops = {
+        top
+        for top, of in importlib.metadata.packages_distributions().items()
+        if dists & set(map(_normal, of))
+    }
+    return _run_in(tmp_path, lambda stem, dist: stem in tops or dist in dists, args)
+
+
+DIFFUSION = (
+    f"mogo_diffusion needs the diffusion extra (missing: {', '.join(EXTRAS['diffusion'][0])}): "
+    "pip install 'mogo[diffusion]'"
+)
+
+
+def test_the_training_command_after_pip_install_mogo_prints_one_line(tmp_path):
+    result = run_bare(tmp_path, "-m", "mogo_diffusion.train", "--check")
     assert result.returncode == 1
     assert result.stderr == DIFFUSION + "\n"
 
 
-def test_the_console_script_without_the_diffusion_extra_prints_one_line(tmp_path):
+def test_the_console_script_after_pip_install_mogo_prints_one_line(tmp_path):
     """``mogo-train`` as pip writes it: a script of that name that imports and calls ``main``."""
     script = tmp_path / "mogo-train"
     script.write_text("import sys\nfrom mogo_diffusion.train import main\nsys.exit(main())\n")
-    result = run_without(tmp_path, ("accelerate",), str(script), "--check")
+    result = run_bare(tmp_path, str(script), "--check")
     assert result.returncode == 1
     assert result.stderr == DIFFUSION + "\n"
 
 
-def test_importing_mogo_diffusion_without_the_extra_raises_an_import_error(tmp_path):
+def test_importing_mogo_diffusion_after_pip_install_mogo_raises_an_import_error(tmp_path):
     code = (
         "import mogo\n"  # mogo itself needs only torch, numpy and scipy
         "try:\n    import mogo_diffusion.config\n"
         "except ImportError as error:\n    print(type(error).__name__, error.name, error)\n"
     )
-    result = run_without(tmp_path, EXTRAS["diffusion"][0], "-c", code)
+    result = run_bare(tmp_path, "-c", code)
     assert result.returncode == 0, result.stderr
-    missing = ", ".join(EXTRAS["diffusion"][0])
-    expected = f"mogo_diffusion needs the diffusion extra (missing: {missing}): pip install 'mogo[diffusion]'"
-    assert result.stdout == f"MissingExtraError diffusers {expected}\n"
+    assert result.stdout == f"MissingExtraError diffusers {DIFFUSION}\n"
 
 
-def test_qpth_and_torchjd_name_their_install_commands(tmp_path):
+def test_qpth_and_torchjd_after_pip_install_mogo_name_their_install_commands(tmp_path):
     code = (
         "import torch, mogo\n"
         "for build in (lambda: mogo.min_norm(torch.eye(2, dtype=torch.float64), method='qpth'),\n"
@@ -90,7 +126,7 @@ def test_qpth_and_torchjd_name_their_install_commands(tmp_path):
         "    try:\n        build()\n"
         "    except ImportError as error:\n        print(error)\n"
     )
-    result = run_without(tmp_path, ("qpth", "torchjd"), "-c", code)
+    result = run_bare(tmp_path, "-c", code)
     assert result.returncode == 0, result.stderr
     assert result.stdout.splitlines() == [
         "method='qpth' needs the qp extra (missing: qpth): pip install 'mogo[qp]'",
