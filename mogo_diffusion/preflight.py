@@ -38,7 +38,7 @@ from typing import Any
 
 import torch
 
-from mogo_diffusion.config import HUB_ID, Config, ConfigError, HarmonizedConfig, MarbleConfig
+from mogo_diffusion.config import HUB_ID, Config, ConfigError, MarbleConfig
 
 __all__ = ["ACTIVATION_VALUES", "SD35M", "SD35M_TRANSFORMER", "Report", "preflight", "run"]
 
@@ -314,7 +314,7 @@ def _sizes(config: Config, folder: Path | None, report: Report) -> None:
         models.add_lora(transformer, m.lora_rank, m.lora_alpha, targets=m.lora_targets, old=False)
     L = sum(p.numel() for p in models.lora_parameters(transformer))
     K = len(config.rewards)
-    harmonized = isinstance(config.strategy, MarbleConfig | HarmonizedConfig)
+    harmonized = isinstance(config.strategy, MarbleConfig)  # HarmonizedConfig is one too
     buffers = 4 * L * K if harmonized else 0
     report.transformer_parameters, report.lora_parameters, report.buffer_bytes = P, L, buffers
     report.lines.append(f"transformer ({origin}): {P:,} parameters and {B:,} buffer values, {P + B:,} in all")
