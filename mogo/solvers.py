@@ -483,10 +483,11 @@ def _qpth(G: Tensor, work: np.ndarray, scale: np.ndarray, max_iter: int) -> Tens
     ``G`` (B, K, K) is the caller's tensor; ``work`` its validated normalised copy, whose values
     are used while gradients flow through ``G / s``.
     """
-    try:
-        from qpth.qp import QPFunction, QPSolvers
-    except ImportError as error:
-        raise ImportError("method='qpth' needs qpth: pip install 'mogo[qp]'") from error
+    from mogo._extras import require
+
+    require("method='qpth'", "qp")
+    from qpth.qp import QPFunction, QPSolvers
+
     B, K = G.shape[:2]
     divisor = torch.from_numpy(np.where(scale > 0, scale, 1.0)).to(G.device)
     raw = G.to(torch.float64) / divisor[:, None, None]

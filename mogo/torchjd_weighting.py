@@ -14,6 +14,7 @@ from collections.abc import Callable
 import torch
 from torch import Tensor
 
+from mogo._extras import require
 from mogo.weighting import Weights
 
 __all__ = ["TorchJDWeighting"]
@@ -39,10 +40,7 @@ class TorchJDWeighting:
     """
 
     def __init__(self, weighting: Callable[[Tensor], Tensor]) -> None:
-        try:
-            import torchjd  # noqa: F401 (only to fail early, naming the package)
-        except ImportError as error:
-            raise ImportError("TorchJDWeighting needs TorchJD: pip install torchjd") from error
+        require("mogo.TorchJDWeighting", "torchjd")
         if not callable(weighting):
             raise TypeError(f"weighting must be a TorchJD weighting, got {type(weighting).__name__}")
         self.weighting = weighting

@@ -42,6 +42,7 @@ from accelerate.tracking import get_available_trackers
 from accelerate.utils import LoggerType
 from tqdm.auto import tqdm
 
+from mogo._extras import MissingExtraError, require
 from mogo_diffusion import models
 from mogo_diffusion.advantages import nan_mean
 from mogo_diffusion.checkpoint import (
@@ -102,6 +103,11 @@ def _trackers(names: Sequence[str]) -> list[str]:
     for name in names:
         if name not in known:
             raise ConfigError(f"train.log_with: unknown tracker {name!r}; known: {', '.join(known)}")
+        if name == "tensorboard":
+            try:
+                require("train.log_with: tracker 'tensorboard'", "tracking")
+            except MissingExtraError as error:
+                raise ConfigError(str(error)) from None
         if name not in available:
             raise ConfigError(f"train.log_with: tracker {name!r} needs its package: pip install {name}")
     return list(names)
@@ -679,6 +685,11 @@ def main(argv: list[str] | None = None) -> None:
     )
     add_config_arguments(parser)
     parser.add_argument("--resume", default=None, help="'latest' or a checkpoint directory")
+    parser.add_argument(
+        "--check",
+        action="store_true",
+        help="check the config, the weights it names (offline) and the memory it needs, then exit",
+    )
     args = parser.parse_args(argv)
     try:
         defaults = None
@@ -690,6 +701,10 @@ def main(argv: list[str] | None = None) -> None:
         check_config(config)
     except (ConfigError, FileNotFoundError) as error:
         parser.error(str(error))
+    if args.check:
+        from mogo_diffusion.preflight import run
+
+        raise SystemExit(run(config))
     trainer = Trainer(config)
     if args.resume:
         try:

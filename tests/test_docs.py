@@ -56,6 +56,7 @@ DIFFUSION_MODULES = (
     "streams",
     "bootstrap",
     "study",
+    "preflight",
 )
 
 

@@ -41,6 +41,7 @@ import torch
 from PIL import Image
 from torch import Tensor
 
+from mogo._extras import require
 from mogo_diffusion.rewards.base import check_batch, to_uint8
 from mogo_diffusion.rewards.registry import register_reward
 
@@ -136,10 +137,9 @@ class OcrReward:
     def __init__(self, *, min_size: int = 0, options: Mapping[str, Any] | None = None) -> None:
         if isinstance(min_size, bool) or not isinstance(min_size, int) or min_size < 0:
             raise ValueError(f"min_size must be a non-negative integer, got {min_size!r}")
-        try:
-            from rapidocr_onnxruntime import RapidOCR
-        except ImportError as err:
-            raise ImportError(f"the 'ocr' reward needs RapidOCR: pip install 'mogo[ocr]' ({err})") from err
+        require("the 'ocr' reward", "ocr")
+        from rapidocr_onnxruntime import RapidOCR
+
         self.min_size = min_size
         self.options = {"use_cls": False, **(options or {})}
         known = _rapidocr_options()

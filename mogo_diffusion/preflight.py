@@ -1,0 +1,400 @@
+"""``python -m mogo_diffusion.train --config X --check``: what a run needs, checked offline.
+
+:func:`preflight` validates the config (:func:`mogo_diffusion.train.check_config`), looks up every
+model it names without downloading anything (local directories and files, the ``huggingface_hub``
+cache), builds the transformer from its config on the ``meta`` device (no memory) to count its
+parameters and the LoRA adapter's, and estimates the memory of one GPU. Every problem is one line
+naming the field, the file or hub id, and the command that fetches it.
+
+The memory estimate of one process (each GPU holds a whole replica), in bytes, with ``P`` the
+frozen parameters of the pipeline (transformer, text encoders, VAE), ``L`` the trained LoRA
+parameters, ``K`` the rewards and ``d`` the bytes of the model dtype::
+
+    weights      d * P
+    LoRA         4 * L * 6        trained, its gradient, AdamW's two moments, old adapter, eval EMA
+    K buffers    4 * L * K        MARBLE's per-reward gradients (harmonizing strategies only)
+    activations  c * n * b * S * D * a
+
+where the activations are those autograd keeps for one training forward: ``n`` blocks of width
+``D``, ``b = train.batch_size`` samples of ``S`` tokens (``(resolution / 8 / patch)^2`` image
+tokens plus ``77 + max_sequence_length`` text tokens), ``a`` bytes per value under autocast (2, or 4
+without mixed precision) and ``c = 18`` values per token and block: an estimate, counted from a
+joint block's saved inputs (q, k, v and the attention output, 4; the two projections' inputs, 2;
+the norms' and modulations' outputs, 2; the MLP's input, its 4x hidden before and after GELU,
+1 + 4 + 4; residuals, 1), rounded up for the dual-attention blocks' second attention. Attention
+scores are not kept (scaled-dot-product attention recomputes them). The reward models are not
+counted.
+"""
+
+from __future__ import annotations
+
+import inspect
+import json
+import os
+from collections.abc import Callable
+from dataclasses import dataclass, field
+from pathlib import Path
+from typing import Any
+
+import torch
+
+from mogo_diffusion.config import HUB_ID, Config, ConfigError, MarbleConfig
+
+__all__ = ["ACTIVATION_VALUES", "SD35M", "SD35M_TRANSFORMER", "Report", "preflight", "run"]
+
+SD35M = "stabilityai/stable-diffusion-3.5-medium"
+"""The hub id of Stable Diffusion 3.5 Medium."""
+
+SD35M_TRANSFORMER: dict[str, Any] = {
+    "_class_name": "SD3Transformer2DModel",
+    "attention_head_dim": 64,
+    "caption_projection_dim": 1536,
+    "dual_attention_layers": list(range(13)),
+    "in_channels": 16,
+    "joint_attention_dim": 4096,
+    "num_attention_heads": 24,
+    "num_layers": 24,
+    "out_channels": 16,
+    "patch_size": 2,
+    "pooled_projection_dim": 2048,
+    "pos_embed_max_size": 384,
+    "qk_norm": "rms_norm",
+    "sample_size": 128,
+}
+"""``transformer/config.json`` of :data:`SD35M`, so that its parameters can be counted offline."""
+
+_SD35M_OTHERS = {
+    "text_encoder": 124_000_000,
+    "text_encoder_2": 695_000_000,
+    "text_encoder_3": 4_760_000_000,
+    "vae": 84_000_000,
+}
+# The published sizes (rounded) of SD3.5-M's CLIP-L and OpenCLIP bigG text encoders, T5-XXL
+# encoder and VAE: used only when their configs are not available offline.
+
+ACTIVATION_VALUES = 18
+"""``c``: values autograd keeps per token and transformer block in a training forward (an estimate,
+see the module)."""
+
+_DATASET_HINT = (  # where the shipped configs' prompt files come from
+    " (DiffusionNFT's prompt sets: git clone https://github.com/NVlabs/DiffusionNFT"
+    " && ln -s DiffusionNFT/dataset .)"
+)
+_BYTES = {"float32": 4, "float16": 2, "bfloat16": 2}
+_TEXT_TOKENS_CLIP = 77
+_MODEL_COMPONENTS = ("transformer", "vae", "text_encoder", "text_encoder_2", "text_encoder_3")
+
+# For each reward, the options that name weights, and what they name: a model directory
+# ("model"), a tokenizer and image processor's small files ("processor"), the HPS checkpoint
+# ("hps") or a file ("file"). The defaults are the factories' own.
+_REWARD_FILES: dict[str, dict[str, str]] = {
+    "pickscore": {"model": "model", "processor": "processor"},
+    "clipscore": {"model": "model"},
+    "hpsv21": {"model": "hps", "base": "processor"},
+    "aesthetic": {"predictor": "file", "model": "model"},
+    "geneval": {"detector": "model"},
+}
+_EXTRA_OF_REWARD = {"ocr": "ocr"}
+_SUGGESTED = {("geneval", "detector"): "facebook/detr-resnet-50"}  # an option without a default
+
+
+@dataclass
+class Report:
+    """What :func:`preflight` found.
+
+    Attributes:
+        lines: what was checked and counted, to print. problems: one line each, naming the field
+            and, for missing weights, the command that fetches them.
+        transformer_parameters, lora_parameters: the counts (None when not computed).
+        buffer_bytes: the K gradient buffers (0 for strategies that do not harmonize).
+        peak_bytes: the estimate of one GPU's peak memory (see the module).
+    """
+
+    lines: list[str] = field(default_factory=list)
+    problems: list[str] = field(default_factory=list)
+    transformer_parameters: int | None = None
+    lora_parameters: int | None = None
+    buffer_bytes: int | None = None
+    peak_bytes: int | None = None
+
+    @property
+    def ok(self) -> bool:
+        return not self.problems
+
+
+def _is_local(reference: str) -> bool:
+    return os.path.exists(os.path.expanduser(reference)) or not HUB_ID.fullmatch(reference)
+
+
+def _cached(repo: str, filename: str, revision: str | None = None) -> Path | None:
+    """The file ``filename`` of hub repository ``repo`` in the local cache, or None."""
+    from huggingface_hub import try_to_load_from_cache
+
+    found = try_to_load_from_cache(repo, filename, revision=revision)
+    return Path(found) if isinstance(found, str) else None
+
+
+def _has_weights(folder: Path, variant: str | None = None) -> bool:
+    """``folder`` holds safetensors (or torch ``.bin``) weights, every shard of an index present."""
+    suffix = f".{variant}" if variant else ""
+    for index in folder.glob(f"*{suffix}.safetensors.index.json"):
+        shards = set(json.loads(index.read_text()).get("weight_map", {}).values())
+        return all((folder / shard).is_file() for shard in shards)
+    return any(folder.glob(f"*{suffix}.safetensors")) or any(folder.glob(f"*{suffix}.bin"))
+
+
+def _download(repo: str, local: str | None = None, args: str = "", revision: str | None = None) -> str:
+    command = f"hf download {repo}{args}"
+    command += f" --revision {revision}" if revision else ""
+    return command + (f" --local-dir {local}" if local else "")
+
+
+def _check_pipeline(config: Config, report: Report) -> Path | None:
+    """The pipeline's folder (local or the cached snapshot) if every component is there, else
+    None; a problem per missing piece."""
+    model = config.model
+    ref, variant = model.pretrained, model.variant
+    if _is_local(ref):
+        folder = Path(ref).expanduser()
+        fetch = f"for SD3.5-M: {_download(SD35M, ref)}"
+        if not (folder / "model_index.json").is_file():
+            where = str(folder / "model_index.json")
+            report.problems.append(f"model.pretrained: {where!r} not found: not a saved pipeline ({fetch})")
+            return None
+    else:
+        index = _cached(ref, "model_index.json", model.revision)
+        fetch = _download(ref, revision=model.revision)
+        if index is None:
+            report.problems.append(f"model.pretrained: {ref!r} is not in the hub cache: {fetch}")
+            return None
+        folder = index.parent
+    components = json.loads((folder / "model_index.json").read_text())
+    missing = []
+    for name in _MODEL_COMPONENTS:
+        if components.get(name, [None, None])[0] is None:
+            continue
+        part = folder / name
+        if not (part / "config.json").is_file() or not _has_weights(part, variant):
+            missing.append(name)
+    if missing:
+        report.problems.append(
+            f"model.pretrained: {ref!r} lacks the weights of {', '.join(missing)} "
+            f"(in {str(folder)!r}): {fetch.removeprefix('for SD3.5-M: ')}"
+        )
+        return None
+    return folder
+
+
+def _check_reference(where: str, kind: str, ref: str, default: Any, suggested: str | None) -> str | None:
+    """A problem line if the weights ``ref`` (an option of kind ``kind``) are not available; the
+    command fetches ``default`` (a hub id) or, as an example, ``suggested``."""
+    from mogo_diffusion.rewards.hps import HPS_FILE
+
+    source = default if isinstance(default, str) and HUB_ID.fullmatch(default) else None
+    args = {"processor": ' --include "*.json" "*.txt"', "hps": f" {HPS_FILE}"}.get(kind, "")
+    if _is_local(ref):
+        path = Path(ref).expanduser()
+        if kind == "hps" and (path.is_dir() or path.suffix not in (".pt", ".safetensors")):
+            path = path / HPS_FILE  # a directory (to be) holding the checkpoint
+        if kind == "model":
+            present = (path / "config.json").is_file() and _has_weights(path)
+        elif kind == "processor":
+            present = path.is_dir() and any(path.glob("*.json"))
+        else:
+            present = path.is_file()
+        if present:
+            return None
+        local = str(path.parent if kind == "hps" else path)
+        how = f": {_download(source, local, args)}" if source else ""
+        if suggested and not how:
+            how = f": a transformers model, e.g. {_download(suggested, local, args)}"
+        if kind == "file" and not how:
+            how = f" (see docs/rewards.rst for where {path.name} is published)"
+        return f"{where}: {str(path)!r} not found{how}"
+    probe = {"model": "config.json", "processor": "preprocessor_config.json", "hps": HPS_FILE}.get(kind)
+    if probe is None:
+        return f"{where}: {ref!r} must be a local file"
+    cached = _cached(ref, probe)
+    if cached is not None and (kind != "model" or _has_weights(cached.parent)):
+        return None
+    return f"{where}: {ref!r} is not in the hub cache: {_download(ref, args=args)}"
+
+
+def _check_rewards(config: Config, report: Report) -> None:
+    from mogo._extras import MissingExtraError, require
+    from mogo_diffusion.rewards import reward_factory
+
+    for i, spec in enumerate(config.rewards):
+        if spec.name in _EXTRA_OF_REWARD:
+            try:
+                require(f"rewards.{i}: the {spec.name!r} reward", _EXTRA_OF_REWARD[spec.name])
+            except MissingExtraError as error:
+                report.problems.append(str(error))
+        parameters = inspect.signature(reward_factory(spec.name)).parameters
+        for option, kind in _REWARD_FILES.get(spec.name, {}).items():
+            default = parameters[option].default
+            ref = spec.options.get(option, default)
+            if ref is inspect.Parameter.empty:
+                continue  # a required option: check_config has said so
+            if isinstance(ref, str | os.PathLike):
+                where, suggested = f"rewards.{i}.options.{option}", _SUGGESTED.get((spec.name, option))
+                problem = _check_reference(where, kind, os.fspath(ref), default, suggested)
+                if problem:
+                    report.problems.append(problem)
+
+
+def _check_prompts(config: Config, report: Report) -> None:
+    for name in ("prompts", "eval_prompts"):
+        source = getattr(config.sampling, name)
+        if (
+            source is not None
+            and not source.startswith("shapes:")
+            and not Path(source).expanduser().is_file()
+        ):
+            hint = _DATASET_HINT if Path(source).parts[:1] == ("dataset",) else ""
+            report.problems.append(f"sampling.{name}: prompt file {source!r} not found{hint}")
+
+
+def _read_config(folder: Path | None, component: str) -> dict[str, Any] | None:
+    path = None if folder is None else folder / component / "config.json"
+    return json.loads(path.read_text()) if path is not None and path.is_file() else None
+
+
+def _meta_transformer(transformer_config: dict[str, Any]) -> torch.nn.Module:
+    from diffusers import SD3Transformer2DModel
+
+    with torch.device("meta"):
+        return SD3Transformer2DModel.from_config(transformer_config)
+
+
+def _count_component(folder: Path, component: str) -> int | None:
+    """The parameters of a pipeline component, built from its config on the meta device."""
+    import diffusers
+    import transformers
+
+    library, class_name = json.loads((folder / "model_index.json").read_text())[component]
+    module = {"diffusers": diffusers, "transformers": transformers}.get(library)
+    cls = getattr(module, class_name, None) if module else None
+    if cls is None:
+        return None
+    path = folder / component
+    with torch.device("meta"):
+        if module is diffusers:
+            model = cls.from_config(cls.load_config(path))
+        else:
+            model = cls._from_config(transformers.AutoConfig.from_pretrained(path))
+    return sum(p.numel() for p in model.parameters())
+
+
+def _gb(n: float) -> str:
+    """Bytes in GB, MB or kB (decimal), three significant digits or more."""
+    for scale, unit in ((1e9, "GB"), (1e6, "MB"), (1e3, "kB")):
+        if n >= scale:
+            return f"{n / scale:.2f} {unit}"
+    return f"{n:.0f} B"
+
+
+def _sizes(config: Config, folder: Path | None, report: Report) -> None:
+    from mogo_diffusion import models
+
+    transformer_config = _read_config(folder, "transformer")
+    origin = f"{str(folder)!r}" if transformer_config else None
+    if transformer_config is None and config.model.pretrained == SD35M:
+        transformer_config, origin = SD35M_TRANSFORMER, "mogo_diffusion.preflight.SD35M_TRANSFORMER"
+    if transformer_config is None:  # the pipeline's problem is reported: here only what it costs
+        report.lines.append(
+            f"sizes: not computed (no transformer config of {config.model.pretrained!r} offline)"
+        )
+        return
+    transformer = _meta_transformer(transformer_config)
+    P = sum(p.numel() for p in transformer.parameters())
+    B = sum(b.numel() for b in transformer.buffers())  # the positional embedding table
+    with torch.device("meta"):  # the adapter's tensors too: nothing is allocated
+        m = config.model
+        models.add_lora(transformer, m.lora_rank, m.lora_alpha, targets=m.lora_targets, old=False)
+    L = sum(p.numel() for p in models.lora_parameters(transformer))
+    K = len(config.rewards)
+    harmonized = isinstance(config.strategy, MarbleConfig)  # HarmonizedConfig is one too
+    buffers = 4 * L * K if harmonized else 0
+    report.transformer_parameters, report.lora_parameters, report.buffer_bytes = P, L, buffers
+    report.lines.append(f"transformer ({origin}): {P:,} parameters and {B:,} buffer values, {P + B:,} in all")
+    report.lines.append(
+        f"LoRA r {config.model.lora_rank} on {', '.join(config.model.lora_targets)}: {L:,} trained "
+        f"parameters ({100 * L / P:.2f} %)"
+    )
+    if harmonized:
+        report.lines.append(f"gradient buffers: K {K} x {L:,} x 4 B = {_gb(buffers)}")
+    else:
+        report.lines.append(f"gradient buffers: none (strategy {config.strategy.name!r} does not harmonize)")
+
+    others, estimated = 0, []  # the other components' parameters
+    index = json.loads((folder / "model_index.json").read_text()) if folder is not None else {}
+    for component in _MODEL_COMPONENTS[1:]:
+        if folder is not None and index.get(component, [None])[0]:
+            others += _count_component(folder, component) or 0
+        elif folder is None and config.model.pretrained == SD35M:
+            others += _SD35M_OTHERS[component]
+            estimated.append(component)
+    d = _BYTES[config.model.dtype]
+    weights = d * (P + B + others)
+    lora = 4 * L * 6
+    patch = transformer_config.get("patch_size", 2)
+    vae = _read_config(folder, "vae")
+    scale = 2 ** (len(vae["block_out_channels"]) - 1) if vae else 8
+    tokens = (config.sampling.resolution // scale // patch) ** 2 + _TEXT_TOKENS_CLIP
+    tokens += config.model.max_sequence_length
+    width = transformer_config["num_attention_heads"] * transformer_config["attention_head_dim"]
+    blocks = transformer_config["num_layers"]
+    a = 4 if config.train.mixed_precision == "no" else 2
+    activations = ACTIVATION_VALUES * blocks * config.train.batch_size * tokens * width * a
+    peak = weights + lora + buffers + activations
+    report.peak_bytes = peak
+    note = f"; {', '.join(estimated)}: published sizes" if estimated else ""
+    values = f"{P + B + others:,} values"
+    report.lines += [
+        f"peak memory per GPU (estimate): {_gb(peak)}",
+        f"  weights          {_gb(weights):>9}  {config.model.dtype}, {values}{note}",
+        f"  LoRA and AdamW   {_gb(lora):>9}  6 x 4 B x {L:,}: trained, gradient, 2 moments, old, eval EMA",
+        f"  gradient buffers {_gb(buffers):>9}",
+        f"  activations      {_gb(activations):>9}  {ACTIVATION_VALUES} x {blocks} blocks x batch "
+        f"{config.train.batch_size} x {tokens} tokens x width {width} x {a} B",
+        "  not counted: the reward models",
+    ]
+
+
+def preflight(config: Config) -> Report:
+    """Check ``config`` offline (see the module): the config, the pipeline's and the rewards'
+    weights and the prompt files, then the sizes. Nothing is downloaded or allocated.
+
+    Returns:
+        A :class:`Report`; ``report.problems`` is empty when the run can start.
+    """
+    from mogo_diffusion.train import check_config
+
+    report = Report()
+    try:
+        check_config(config)
+    except ConfigError as error:
+        report.problems.append(str(error))
+        return report
+    names = ", ".join(spec.name for spec in config.rewards)
+    report.lines.append(
+        f"config: valid (strategy {config.strategy.name!r}, {len(config.rewards)} rewards: {names})"
+    )
+    folder = _check_pipeline(config, report)
+    _check_rewards(config, report)
+    _check_prompts(config, report)
+    _sizes(config, folder, report)
+    return report
+
+
+def run(config: Config, echo: Callable[[str], Any] = print) -> int:
+    """:func:`preflight`, printed: the report's lines, then one line per problem; the exit status
+    (0 when there is none, 1 otherwise)."""
+    report = preflight(config)
+    for line in report.lines:
+        echo(line)
+    for problem in report.problems:
+        echo(f"problem: {problem}")
+    echo("ready" if report.ok else f"{len(report.problems)} problem(s)")
+    return 0 if report.ok else 1
