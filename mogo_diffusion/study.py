@@ -169,10 +169,7 @@ def analyse(
 
 
 def _interval(values: Sequence[float], reference: Sequence[float] | float, arm: str | None) -> list[float]:
-    if arm == REFERENCE:
-        return [0.0, 0.0, 0.0]
-    interval = paired_interval(values, reference)
-    return [interval.mean, interval.low, interval.high]
+    return [0.0, 0.0, 0.0] if arm == REFERENCE else _as_list(paired_interval(values, reference))
 
 
 def _verdict(intervals: Sequence[Sequence[float]], *, threshold: float = 0.0) -> str:
@@ -207,7 +204,7 @@ def claims(summary: Mapping[str, Any], histories: Mapping[str, Mapping[int, Sequ
     if all("conflict_rate" in f for f in finals):
         rate = bootstrap_interval([f["conflict_rate"] for f in finals])
         worst = min(f["worst_cosine_marble"] for f in finals)
-        verdict = _verdict([[rate.mean - 0.5, rate.low - 0.5, rate.high - 0.5]])
+        verdict = _verdict([_as_list(rate)], threshold=0.5)
         if worst < -HARMONIZED_TOLERANCE:
             verdict = "not reproduced"
         numbers = {"conflict_rate": _as_list(rate), "worst_cosine_marble": worst}
