@@ -15,16 +15,15 @@ import warnings
 import numpy as np
 import pytest
 import torch
+import torchjd.aggregation as torchjd_aggregation
 from hypothesis import given, settings
 from hypothesis import strategies as st
+from qpsolvers.exceptions import ProblemError  # quadprog's refusal
+from torchjd.linalg import QuadprogProjector
 
 import mogo
 from mogo.cagrad import cagrad_weights
 from mogo.testing import FAMILIES, assert_min_norm_optimal, gradient_family
-
-torchjd_aggregation = pytest.importorskip("torchjd.aggregation")
-QuadprogProjector = pytest.importorskip("torchjd.linalg").QuadprogProjector
-ProblemError = pytest.importorskip("qpsolvers.exceptions").ProblemError  # quadprog's refusal
 
 EPS = float(np.finfo(np.float64).eps)
 SIZES = [2, 3, 5, 10, 32]
@@ -314,7 +313,6 @@ def test_cagrad_is_invariant_to_the_scale_of_the_gram_matrix():
 @settings(max_examples=8)
 @given(problems(families=("gaussian", "orthogonal", "duplicates"), sizes=(2, 3, 5)))
 def test_nash_mtl_equals_torchjd_where_its_solution_is_certified(problem):
-    pytest.importorskip("ecos")
     J, G = problem
     K = G.shape[0]
     weights = mogo.NashMTL(max_norm=0)(G, torch.ones(K))
