@@ -325,7 +325,8 @@ class Trainer:
         if self.eval_prompts is None or not self.accelerator.is_main_process:
             return {}
         prompts, metadata = self.eval_prompts
-        noise, embeds, pooled = self._eval_inputs(prompts)
+        noise = self._eval_noise()
+        embeds, pooled = models.encode_prompts(self.pipeline, prompts, self.config.model.max_sequence_length)
         trained = [p.detach().clone() for p in self.params]
         with torch.no_grad():
             for p, ema in zip(self.params, self.eval_ema, strict=True):
@@ -343,22 +344,20 @@ class Trainer:
         metrics.update({f"diagnostic/{k}": v for k, v in self.rewards.diagnostics(images).items()})
         return metrics
 
-    def _eval_inputs(self, prompts: Sequence[str]) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor]:
-        """The evaluation noise of ``prompts`` (seeded by :data:`EVAL_SEED`) and their embeddings."""
+    def _eval_noise(self) -> torch.Tensor:
+        """The evaluation noise, one row per evaluation prompt, seeded by :data:`EVAL_SEED`."""
         config = self.transformer.config
-        shape = (len(prompts), config.in_channels, config.sample_size, config.sample_size)
-        noise = torch.randn(shape, generator=torch.Generator().manual_seed(EVAL_SEED)).to(self.device)
-        embeds, pooled = models.encode_prompts(self.pipeline, prompts, self.config.model.max_sequence_length)
-        return noise, embeds, pooled
+        shape = (len(self.eval_prompts.prompts), config.in_channels, config.sample_size, config.sample_size)
+        return torch.randn(shape, generator=torch.Generator().manual_seed(EVAL_SEED)).to(self.device)
 
     def base_samples(self, count: int) -> torch.Tensor:
         """The pretrained model's images (adapters disabled) of the first ``count`` evaluation
         prompts, from the noise :meth:`evaluate` gives them: what its images are compared with."""
-        noise, embeds, pooled = self._eval_inputs(self.eval_prompts.prompts)
-        part = slice(0, count)
+        prompts = self.eval_prompts.prompts[:count]
+        embeds, pooled = models.encode_prompts(self.pipeline, prompts, self.config.model.max_sequence_length)
         with models.reference(self.transformer):
             steps = self.config.sampling.eval_num_steps
-            _, images = self._sample(embeds[part], pooled[part], noise[part], steps)
+            _, images = self._sample(embeds, pooled, self._eval_noise()[:count], steps)
         return images
 
     def advantages(self, batch: Batch, epoch: int) -> torch.Tensor:
