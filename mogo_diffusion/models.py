@@ -71,6 +71,7 @@ __all__ = [
     "load_component",
     "load_pipeline",
     "lora_parameters",
+    "merged",
     "reference",
     "save_lora",
     "tiny_sd3",
@@ -548,6 +549,38 @@ def reference(transformer: SD3Transformer2DModel) -> AbstractContextManager[SD3T
     Like :func:`adapter`, it keeps every ``requires_grad`` and restores the previous selection on exit.
     """
     return _selected(transformer, None)
+
+
+@contextmanager
+def merged(transformer: SD3Transformer2DModel, name: str) -> Iterator[SD3Transformer2DModel]:
+    """A context in which forwards without gradients compute adapter ``name`` folded into the weights.
+
+    Each adapted linear layer computes ``(W + s B A) x`` with one matrix product instead of
+    ``W x + s B (A x)`` with three: the same function up to round-off (the sum is reassociated), at the
+    cost of a forward without adapters. The merged weights are formed on entry, from the adapter's
+    values then, and the original weight tensors are put back on exit, unchanged bit for bit.
+
+    Raises:
+        RuntimeError: gradients are enabled (the adapter's tensors would get none).
+        ValueError: no adapter ``name``.
+    """
+    if torch.is_grad_enabled():
+        raise RuntimeError("merged() is for forwards without gradients: enter it under torch.no_grad()")
+    if name not in getattr(transformer, "peft_config", {}):
+        loaded = list(getattr(transformer, "peft_config", {}))
+        raise ValueError(f"no LoRA adapter named {name!r}; the transformer has {loaded}")
+    layers = [layer for layer in _cached_lora_layers(transformer) if name in layer.lora_A]
+    weights = [layer.get_base_layer().weight for layer in layers]
+    originals = [weight.data for weight in weights]
+    try:
+        for layer, weight, original in zip(layers, weights, originals, strict=True):
+            work = torch.promote_types(original.dtype, torch.float32)  # bf16 weights: merged in float32
+            weight.data = (original.to(work) + layer.get_delta_weight(name).to(work)).to(original.dtype)
+        with _selected(transformer, None):
+            yield transformer
+    finally:
+        for weight, original in zip(weights, originals, strict=True):
+            weight.data = original
 
 
 def save_lora(

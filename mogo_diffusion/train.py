@@ -240,6 +240,7 @@ class Trainer:
             else self._load_prompts(config.sampling.eval_prompts, "sampling.eval_prompts")
         )
         self.eval_images: torch.Tensor | None = None
+        self._eval_cache: tuple[torch.Tensor, torch.Tensor, torch.Tensor] | None = None
         self.strategy = strategy or make_strategy(config, self.world)
         self.optimizer = self.strategy.build(self.params)
         self.epoch = 0
@@ -285,7 +286,7 @@ class Trainer:
         embeds, pooled = models.encode_prompts(
             self.pipeline, prompts[local], self.config.model.max_sequence_length
         )
-        with models.adapter(self.transformer, models.OLD):
+        with torch.no_grad(), models.merged(self.transformer, models.OLD):
             samples, images = self._sample(embeds, pooled, noise, sampling.num_steps)
         latents, sigmas, timesteps = samples.latents, samples.sigmas, samples.timesteps
         return Batch(prompts, metadata, local, embeds, pooled, latents, sigmas, timesteps, images)
@@ -325,14 +326,13 @@ class Trainer:
         if self.eval_prompts is None or not self.accelerator.is_main_process:
             return {}
         prompts, metadata = self.eval_prompts
-        noise = self._eval_noise()
-        embeds, pooled = models.encode_prompts(self.pipeline, prompts, self.config.model.max_sequence_length)
+        embeds, pooled, noise = self._eval_inputs()
         trained = [p.detach().clone() for p in self.params]
         with torch.no_grad():
             for p, ema in zip(self.params, self.eval_ema, strict=True):
                 p.copy_(ema)
         try:
-            with models.adapter(self.transformer, models.TRAINED):
+            with torch.no_grad(), models.merged(self.transformer, models.TRAINED):
                 _, images = self._sample(embeds, pooled, noise, self.config.sampling.eval_num_steps)
         finally:
             with torch.no_grad():
@@ -344,20 +344,26 @@ class Trainer:
         metrics.update({f"diagnostic/{k}": v for k, v in self.rewards.diagnostics(images).items()})
         return metrics
 
-    def _eval_noise(self) -> torch.Tensor:
-        """The evaluation noise, one row per evaluation prompt, seeded by :data:`EVAL_SEED`."""
-        config = self.transformer.config
-        shape = (len(self.eval_prompts.prompts), config.in_channels, config.sample_size, config.sample_size)
-        return torch.randn(shape, generator=torch.Generator().manual_seed(EVAL_SEED)).to(self.device)
+    def _eval_inputs(self) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor]:
+        """The evaluation prompts' embeddings and pooled embeddings, and the evaluation noise (one
+        row per prompt, seeded by :data:`EVAL_SEED`); computed once, they are the same at every
+        evaluation."""
+        if self._eval_cache is None:
+            prompts = self.eval_prompts.prompts
+            length = self.config.model.max_sequence_length
+            embeds, pooled = models.encode_prompts(self.pipeline, prompts, length)
+            config = self.transformer.config
+            shape = (len(prompts), config.in_channels, config.sample_size, config.sample_size)
+            noise = torch.randn(shape, generator=torch.Generator().manual_seed(EVAL_SEED)).to(self.device)
+            self._eval_cache = (embeds, pooled, noise)
+        return self._eval_cache
 
     def base_samples(self, count: int) -> torch.Tensor:
         """The pretrained model's images (adapters disabled) of the first ``count`` evaluation
         prompts, from the noise :meth:`evaluate` gives them: what its images are compared with."""
-        prompts = self.eval_prompts.prompts[:count]
-        embeds, pooled = models.encode_prompts(self.pipeline, prompts, self.config.model.max_sequence_length)
+        embeds, pooled, noise = (part[:count] for part in self._eval_inputs())
         with models.reference(self.transformer):
-            steps = self.config.sampling.eval_num_steps
-            _, images = self._sample(embeds, pooled, self._eval_noise()[:count], steps)
+            _, images = self._sample(embeds, pooled, noise, self.config.sampling.eval_num_steps)
         return images
 
     def advantages(self, batch: Batch, epoch: int) -> torch.Tensor:
@@ -384,7 +390,7 @@ class Trainer:
             "return_dict": False,
         }
         with torch.no_grad():
-            with models.adapter(self.transformer, models.OLD):
+            with models.merged(self.transformer, models.OLD):
                 v_old = self.transformer(**inputs)[0]
             v_ref = None
             if nft.kl_coef > 0:

@@ -26,6 +26,8 @@ raises, since a shapes reward without it would silently score nothing.
 from __future__ import annotations
 
 import math
+import threading
+import weakref
 from collections.abc import Callable, Mapping, Sequence
 from typing import Any
 
@@ -86,6 +88,26 @@ def count_score(found: Detection, metadata: Mapping[str, Any]) -> float:
     return max(0.0, 1 - abs(found.count(clause["class"]) - clause["count"]) / clause["count"])
 
 
+class _LastDetections:
+    """The detections of the last batch, kept while that tensor is alive and unmodified: the four
+    shapes rewards (and the collapse guard) of one batch read it once, not once each."""
+
+    def __init__(self) -> None:
+        self._lock = threading.Lock()  # rewards may score on threads (MultiReward's ``threads``)
+        self._key: tuple[weakref.ref, int] | None = None
+        self._found: list[Detection] = []
+
+    def __call__(self, images: Tensor) -> list[Detection]:
+        with self._lock:
+            if self._key is None or self._key[0]() is not images or self._key[1] != images._version:
+                self._found = detect_batch(images)
+                self._key = (weakref.ref(images), images._version)
+            return self._found
+
+
+_detections = _LastDetections()
+
+
 class ShapesReward:
     """One shapes-world reward: :func:`~mogo_diffusion.shapes.detect` each image, then
     ``score(detection, metadata) -> float`` it against the sample's metadata; ``[B]`` float32
@@ -106,7 +128,7 @@ class ShapesReward:
                     f"{self.name}: sample {i} ({prompts[i]!r}) has no shapes metadata "
                     f"('include' and 'background'); use the prompts of mogo_diffusion.prompts.shapes_prompts"
                 )
-        found = detect_batch(images)
+        found = _detections(images)
         scores = [self.score(d, m) for d, m in zip(found, metadata, strict=True)]
         return torch.tensor(scores, dtype=torch.float32)
 
@@ -115,7 +137,7 @@ class ShapesReward:
         shape-colour objects) the detector reads among ``images``. A collapsed model draws few,
         whatever the prompts ask, which a mean reward can hide."""
         scenes = {
-            (d.background, tuple(sorted((o.shape, o.color) for o in d.objects))) for d in detect_batch(images)
+            (d.background, tuple(sorted((o.shape, o.color) for o in d.objects))) for d in _detections(images)
         }
         return {"distinct_scenes": float(len(scenes))}
 

@@ -25,6 +25,7 @@ from mogo_diffusion.models import (
     load_component,
     load_pipeline,
     lora_parameters,
+    merged,
     reference,
     save_lora,
     tiny_sd3,
@@ -357,6 +358,44 @@ def test_adapter_and_reference_select_what_a_forward_uses(pipeline, lora_pipelin
     with pytest.raises(ValueError, match="ema"), adapter(transformer, "ema"):
         pass
     torch.testing.assert_close(_velocity(transformer, embeds, noise), trained, atol=0, rtol=0)
+
+
+def test_merged_computes_the_adapter_folded_into_the_weights_and_restores_them(embeds, noise):
+    tiny = tiny_sd3("smoke", seed=0)
+    transformer = tiny.transformer.double()  # float64: the two association orders agree to ~eps64
+    add_lora(transformer, rank=4, alpha=8.0)
+    for p in (*lora_parameters(transformer, TRAINED), *lora_parameters(transformer, OLD)):
+        p.data = p.data.double()  # peft keeps adapters in float32
+    _perturb(transformer, TRAINED, seed=4)
+    _perturb(transformer, OLD, seed=5)
+    embeds = tuple(e.double() for e in embeds)
+    noise = noise.double()
+    state = {name: value.clone() for name, value in transformer.state_dict().items()}
+    pointers = {name: value.data_ptr() for name, value in transformer.state_dict().items()}
+    for name in (TRAINED, OLD):
+        with torch.no_grad(), adapter(transformer, name):
+            expected = _velocity(transformer, embeds, noise)
+        with torch.no_grad(), merged(transformer, name):
+            folded = _velocity(transformer, embeds, noise)
+        # dot products of at most a few hundred terms through two blocks: errors of a few
+        # hundred eps64 relative to the largest output, far below 1e4 eps64
+        scale = expected.abs().max().item()
+        atol = 1e4 * torch.finfo(torch.float64).eps * scale
+        torch.testing.assert_close(folded, expected, rtol=0, atol=atol)
+    trained = _velocity(transformer, embeds, noise)
+    with torch.no_grad(), adapter(transformer, OLD):
+        assert not torch.equal(trained, _velocity(transformer, embeds, noise))
+    for name, value in transformer.state_dict().items():  # the weights are back, bit for bit
+        assert torch.equal(value, state[name]), name
+        assert value.data_ptr() == pointers[name], name
+    assert torch.equal(_velocity(transformer, embeds, noise), trained)  # the selection is back
+    with pytest.raises(RuntimeError, match="inside"), torch.no_grad(), merged(transformer, OLD):
+        raise RuntimeError("inside")
+    assert all(torch.equal(value, state[name]) for name, value in transformer.state_dict().items())
+    with pytest.raises(RuntimeError, match="no_grad"), merged(transformer, OLD):
+        pass
+    with pytest.raises(ValueError, match="'ema'"), torch.no_grad(), merged(transformer, "ema"):
+        pass
 
 
 def test_gradients_reach_only_the_trained_adapter_even_while_old_samples(lora_pipeline, embeds, noise):

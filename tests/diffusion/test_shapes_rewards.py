@@ -150,3 +150,25 @@ def test_distinct_scenes_counts_what_the_detector_reads_and_each_kind_of_reward_
     assert rewards.diagnostics(images) == {"distinct_scenes": 5.0}
     assert rewards.diagnostics(render_batch([distinct[0]] * 8)) == {"distinct_scenes": 1.0}
     assert MultiReward([make_reward("jpeg_compressibility")]).diagnostics(images) == {}
+
+
+def test_the_rewards_of_one_batch_detect_it_once_and_a_changed_batch_again(pool, monkeypatch):
+    from mogo_diffusion.rewards import shapes as module
+
+    calls = []
+    real = module.detect_batch
+    monkeypatch.setattr(module, "detect_batch", lambda images: calls.append(len(images)) or real(images))
+    scenes = pool[:6]
+    images = render_batch(scenes)
+    prompts, metadata = [s.prompt for s in scenes], [s.metadata for s in scenes]
+    rewards = MultiReward([make_reward(n) for n in NAMES], threads=2)
+    first = rewards(images, prompts, metadata).values
+    rewards.diagnostics(images)
+    assert calls == [6]  # four rewards and the collapse guard read one detection of the batch
+    images[:, :, :, :] = images[:, :, :1, :1].clone()  # in place: every image one flat colour
+    flat = rewards(images, prompts, metadata).values
+    assert calls == [6, 6]
+    assert (flat[:, NAMES.index("shapes_shape")] == 0).all()
+    again = rewards(render_batch(scenes), prompts, metadata).values  # a new tensor
+    torch.testing.assert_close(again, first, rtol=0, atol=0, equal_nan=True)
+    assert calls == [6, 6, 6]
