@@ -172,3 +172,21 @@ def test_the_rewards_of_one_batch_detect_it_once_and_a_changed_batch_again(pool,
     again = rewards(render_batch(scenes), prompts, metadata).values  # a new tensor
     torch.testing.assert_close(again, first, rtol=0, atol=0, equal_nan=True)
     assert calls == [6, 6, 6]
+
+
+def test_the_shipped_prompt_pool_is_the_recipes_and_every_reward_applies_to_it(tmp_path):
+    from mogo_diffusion.shapes.recipe import EVAL_REPEATS, POOL, POOL_COUNTS, pool, write_pool
+
+    write_pool(tmp_path)
+    for name in ("pool.jsonl", "pool_eval.jsonl"):  # the committed files are what pool() draws
+        assert (tmp_path / name).read_text() == POOL.with_name(name).read_text()
+    train, held_out = load_prompt_set(POOL), load_prompt_set(POOL.with_name("pool_eval.jsonl"))
+    assert len(set(train.prompts)) == len(train.prompts) == sum(POOL_COUNTS.values())
+    assert held_out.prompts == [p for p in train.prompts for _ in range(EVAL_REPEATS)]
+    assert [m["tag"] for m in pool()] == [t for t, n in POOL_COUNTS.items() for _ in range(n)]
+    assert set(train.prompts) <= set(load_prompt_set("shapes:train").prompts)
+    images = torch.rand(len(train.prompts), 3, 32, 32, generator=torch.Generator().manual_seed(0))
+    values = MultiReward([make_reward(n) for n in NAMES])(images, train.prompts, train.metadata).values
+    applies = ~torch.isnan(values)
+    assert applies[:, NAMES.index("shapes_position")].sum() == POOL_COUNTS["position"]
+    assert applies[:, NAMES.index("shapes_count")].sum() == POOL_COUNTS["counting"]
