@@ -170,7 +170,7 @@ class SamplingConfig:
     resolution: int = _field(512, check=("a positive multiple of 16", lambda x: x > 0 and x % 16 == 0))
     group_size: int = _field(24, check=(">= 2", lambda x: x >= 2))
     prompts_per_epoch: int = _field(48, check=POSITIVE)
-    prompts: str | list[PromptSource] | None = _field(None, check=NON_EMPTY)
+    prompts: str | list[PromptSource] | None = field(default=None, metadata={"check": NON_EMPTY})
     eval_prompts: str | None = None
     batch_size: int = _field(9, check=POSITIVE)
 
