@@ -1,7 +1,8 @@
 """One GPU's training step at SD3.5-Medium size: images per second, peak memory, harmonization's parts.
 
-No download: the transformer is built from SD3.5-M's config (:data:`mogo_diffusion.preflight.SD35M_TRANSFORMER`)
-with random weights in bfloat16, with the recipe's LoRA (rank 32, alpha 64, float32). The text
+No download: the transformer is built from SD3.5-M's config
+(:data:`mogo_diffusion.preflight.SD35M_TRANSFORMER`) with random weights in bfloat16, with the
+recipe's LoRA (rank 32, alpha 64, float32). The text
 encoders and the VAE are not needed: the prompt embeddings (``77 + max_sequence_length`` tokens of
 4096, pooled 2048) and the clean 512 px latents (16 x 64 x 64) are random, and so are the K = 5
 rewards' per-sample scores, turned into advantages by the strategy itself. Each training step is
@@ -34,8 +35,8 @@ import mogo
 from mogo_diffusion import models
 from mogo_diffusion.config import Config
 from mogo_diffusion.preflight import SD35M, SD35M_TRANSFORMER
-from mogo_diffusion.streams import generator
 from mogo_diffusion.strategies import make_strategy
+from mogo_diffusion.streams import generator
 from mogo_diffusion.train import Batch, Trainer
 
 REWARDS = ["pickscore", "hpsv21", "clipscore", "ocr", "geneval"]
