@@ -417,7 +417,7 @@ class PromptPool:
         return counts
 
     def draw(self, n: int, generator: torch.Generator) -> torch.Tensor:
-        """``n`` indices into :attr:`prompts` (int64): :meth:`counts` from each source, uniform
+        """``n`` indices into ``prompts`` (int64): :meth:`counts` from each source, uniform
         with replacement within it, in random order. One source: exactly
         ``torch.randint(len(prompts), (n,), generator=generator)``."""
         parts = [
