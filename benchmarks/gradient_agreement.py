@@ -26,7 +26,7 @@ from pathlib import Path
 import numpy as np
 import torch
 
-from mogo_diffusion.prompts import PromptSet
+from mogo_diffusion.prompts import PromptPool, PromptSet
 from mogo_diffusion.shapes.recipe import REWARDS, shapes_config
 from mogo_diffusion.train import Trainer
 
@@ -81,7 +81,9 @@ def main(argv: list[str] | None = None) -> dict:
     )
     trainer = Trainer(config)
     if args.same_prompt:
-        trainer.prompts = PromptSet(trainer.prompts.prompts[:1], trainer.prompts.metadata[:1])
+        trainer.prompts = PromptPool(
+            [PromptSet(trainer.prompts.prompts[:1], trainer.prompts.metadata[:1])], [1]
+        )
     started = time.perf_counter()
     grads = batch_gradients(trainer, args.batches, args.timesteps)
     if not np.linalg.norm(grads, axis=1).all():

@@ -52,6 +52,7 @@ __all__ = [
     "MarbleConfig",
     "ModelConfig",
     "NFTConfig",
+    "PromptSource",
     "RewardSpec",
     "SamplingConfig",
     "SequentialConfig",
@@ -125,6 +126,27 @@ class ModelConfig:
 
 
 @dataclass
+class PromptSource:
+    """One source of a mixed prompt pool, an entry of ``sampling.prompts`` given as a list
+    (see :func:`mogo_diffusion.prompts.load_prompt_pool`).
+
+    Attributes:
+        source: a source of :func:`mogo_diffusion.prompts.load_prompt_set` (a text file, a GenEval
+            ``.jsonl``, ``shapes:train``, ``ocr:N``, ``geneval:N``).
+        weight: its share of each epoch's prompts, relative to the other entries' (> 0): of
+            ``prompts_per_epoch`` prompts it gives ``floor`` or ``ceil`` of
+            ``prompts_per_epoch * weight / sum of weights``, that many in expectation.
+        reward: the specialist reward its prompts are for: ``"ocr"`` (each prompt has a text to
+            render), ``"geneval"`` (each has GenEval metadata) or ``"general"`` (neither: ``ocr``
+            and ``geneval`` are NaN on them); None infers it from the prompts' metadata.
+    """
+
+    source: str = _field(check=NON_EMPTY)
+    weight: float = _field(1.0, check=POSITIVE)
+    reward: Literal["ocr", "geneval", "general"] | None = None
+
+
+@dataclass
 class SamplingConfig:
     """Sampling from the old policy (CFG-free, deterministic).
 
@@ -135,8 +157,9 @@ class SamplingConfig:
         resolution: image side in pixels, a multiple of 16.
         group_size: images per prompt, G >= 2 (advantages are relative to the group).
         prompts_per_epoch: prompt groups sampled per epoch.
-        prompts: the training prompts, a source of :func:`mogo_diffusion.prompts.load_prompt_set`
-            (a text file, a GenEval ``.jsonl``, ``shapes:train``); None for a small built-in set.
+        prompts: the training prompts: a source of :func:`mogo_diffusion.prompts.load_prompt_set`
+            (a text file, a GenEval ``.jsonl``, ``shapes:train``), a list of
+            :class:`PromptSource` (a mixed pool, drawn by weight), or None for a small built-in set.
         eval_prompts: the held-out prompts of the evaluation, a source as ``prompts``; None: none.
         batch_size: images per sampler call.
     """
@@ -147,7 +170,7 @@ class SamplingConfig:
     resolution: int = _field(512, check=("a positive multiple of 16", lambda x: x > 0 and x % 16 == 0))
     group_size: int = _field(24, check=(">= 2", lambda x: x >= 2))
     prompts_per_epoch: int = _field(48, check=POSITIVE)
-    prompts: str | None = None
+    prompts: str | list[PromptSource] | None = field(default=None, metadata={"check": NON_EMPTY})
     eval_prompts: str | None = None
     batch_size: int = _field(9, check=POSITIVE)
 
@@ -348,6 +371,7 @@ class Config:
         _check_model_path(self.model.pretrained)
         if not self.rewards:
             raise ConfigError("rewards: at least one reward is needed")
+        _check_pool(self.sampling.prompts)
         _check_strategy(self)
 
 
@@ -392,8 +416,14 @@ def _convert(value: Any, tp: Any, path: str) -> Any:
             if not isinstance(name, str) or not name:
                 raise ConfigError(f"{path}.name: expected a strategy name, got {name!r}")
             return _build(_STRATEGIES.get(name, HarmonizedConfig), value, path)
-        (inner,) = [a for a in args if a is not type(None)]
-        return _convert(value, inner, path)
+        inner = [a for a in args if a is not type(None)]
+        if len(inner) > 1:  # ``str | list[...]``: the value's own shape picks the type
+            if not isinstance(value, str | list):
+                raise ConfigError(
+                    f"{path}: expected a string or a list, got {type(value).__name__} {value!r}"
+                )
+            inner = [a for a in inner if (get_origin(a) is list) == isinstance(value, list)]
+        return _convert(value, inner[0], path)
     if origin is Literal:
         if any(type(value) is type(a) and value == a for a in args):
             return value
@@ -453,6 +483,16 @@ def _check_model_path(pretrained: str) -> None:
         raise ConfigError(
             f"model.pretrained: {pretrained!r} is neither an existing directory nor a hub id like 'org/name'"
         )
+
+
+def _check_pool(prompts: str | list[PromptSource] | None) -> None:
+    """A pool's sources are distinct (the files themselves are read by the trainer and ``--check``)."""
+    sources = [entry.source for entry in prompts] if isinstance(prompts, list) else []
+    for i, source in enumerate(sources):
+        if source in sources[:i]:
+            raise ConfigError(
+                f"sampling.prompts.{i}.source: {source!r} is already sampling.prompts.{sources.index(source)}"
+            )
 
 
 def _check_strategy(config: Config) -> None:

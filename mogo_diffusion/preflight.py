@@ -243,16 +243,40 @@ def _check_rewards(config: Config, report: Report) -> None:
                     report.problems.append(problem)
 
 
+def _is_file_source(source: str) -> bool:
+    kind, sep, _ = source.partition(":")
+    return not (sep and kind in ("shapes", "ocr", "geneval"))
+
+
 def _check_prompts(config: Config, report: Report) -> None:
+    """Every prompt source: a missing file is named (with where DiffusionNFT's come from); the
+    others are read, as the trainer will read them, and their errors reported."""
+    from mogo_diffusion.prompts import load_prompt_pool
+
     for name in ("prompts", "eval_prompts"):
-        source = getattr(config.sampling, name)
-        if (
-            source is not None
-            and not source.startswith("shapes:")
-            and not Path(source).expanduser().is_file()
-        ):
-            hint = _DATASET_HINT if Path(source).parts[:1] == ("dataset",) else ""
-            report.problems.append(f"sampling.{name}: prompt file {source!r} not found{hint}")
+        value = getattr(config.sampling, name)
+        entries = [(f"sampling.{name}", value)] if isinstance(value, str) else []
+        if isinstance(value, list):
+            entries = [(f"sampling.{name}.{i}.source", entry.source) for i, entry in enumerate(value)]
+        missing = False
+        for where, source in entries:
+            if _is_file_source(source) and not Path(source).expanduser().is_file():
+                hint = _DATASET_HINT if Path(source).parts[:1] == ("dataset",) else ""
+                report.problems.append(f"{where}: prompt file {source!r} not found{hint}")
+                missing = True
+        if value is None or missing:
+            continue
+        try:
+            pool = load_prompt_pool(value)
+        except (OSError, ValueError) as error:
+            report.problems.append(f"sampling.{name}: {error}")
+            continue
+        if isinstance(value, list):
+            shares = "; ".join(
+                f"{entry.source}: {len(prompts.prompts):,} {reward} prompts, weight {entry.weight:g}"
+                for entry, prompts, reward in zip(value, pool.sets, pool.rewards, strict=True)
+            )
+            report.lines.append(f"sampling.{name}: a pool of {len(value)} sources: {shares}")
 
 
 def _read_config(folder: Path | None, component: str) -> dict[str, Any] | None:

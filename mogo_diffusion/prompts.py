@@ -4,7 +4,9 @@ Every loader and generator returns a :class:`PromptSet`: the prompts and one met
 prompt, which rewards read (:class:`~mogo_diffusion.rewards.ocr.OcrReward` the ``"text"``,
 :class:`~mogo_diffusion.rewards.geneval.GenEvalReward` the ``"tag"``, ``"include"``, ``"exclude"``).
 Generators are deterministic: the same ``n`` and ``seed`` give the same set in every process.
-:func:`load_prompt_set` reads any of them from one string, as ``sampling.prompts`` gives it.
+:func:`load_prompt_set` reads any of them from one string, as ``sampling.prompts`` gives it;
+:func:`load_prompt_pool` mixes several in given proportions (a :class:`PromptPool`), each prompt's
+metadata marking which specialist reward it is for.
 
 >>> ocr_prompts(2, seed=0)  # doctest: +NORMALIZE_WHITESPACE
 PromptSet(prompts=['a poster with "library" in bold letters', 'a neon sign reading "home"'],
@@ -18,11 +20,15 @@ PromptSet(prompts=['a poster with "library" in bold letters', 'a neon sign readi
 from __future__ import annotations
 
 import json
+import math
 import os
 import random
 from collections.abc import Callable, Sequence
+from fractions import Fraction
 from pathlib import Path
-from typing import Any, NamedTuple
+from typing import TYPE_CHECKING, Any, NamedTuple
+
+import torch
 
 from mogo_diffusion.rewards.geneval import (
     GENEVAL_CLASSES,
@@ -31,13 +37,19 @@ from mogo_diffusion.rewards.geneval import (
     RELATIONS,
     check_metadata,
 )
+from mogo_diffusion.rewards.ocr import quoted_text
+
+if TYPE_CHECKING:
+    from mogo_diffusion.config import PromptSource
 
 __all__ = [
     "OCR_TEMPLATES",
     "OCR_WORDS",
+    "PromptPool",
     "PromptSet",
     "geneval_prompts",
     "load_geneval_metadata",
+    "load_prompt_pool",
     "load_prompt_set",
     "load_prompts",
     "ocr_prompts",
@@ -269,11 +281,12 @@ def load_prompt_set(source: str | os.PathLike[str]) -> PromptSet:
 
     * ``"shapes:SPLIT"`` or ``"shapes:SPLIT:N"``: :func:`shapes_prompts` of ``SPLIT`` (``train`` or
       ``heldout``), every caption or ``N`` sampled ones (seed 0);
+    * ``"ocr:N"``, ``"geneval:N"``: :func:`ocr_prompts`, :func:`geneval_prompts` (``N`` of them, seed 0);
     * a path ending in ``.jsonl``: :func:`load_geneval_metadata`;
     * any other path: :func:`load_prompts`.
 
     Raises:
-        FileNotFoundError: no such file. ValueError: a malformed ``shapes:`` source or file.
+        FileNotFoundError: no such file. ValueError: a malformed generated source or file.
     """
     text = os.fspath(source)
     if text.startswith("shapes:"):
@@ -285,6 +298,164 @@ def load_prompt_set(source: str | os.PathLike[str]) -> PromptSet:
         if len(parts) == 3 and not parts[2].isdigit():
             raise ValueError(f"prompt source {text!r}: N must be a positive integer, got {parts[2]!r}")
         return shapes_prompts(parts[1], int(parts[2]) if len(parts) == 3 else None)
+    kind, sep, count = text.partition(":")
+    if sep and kind in ("ocr", "geneval"):
+        if not count.isdigit() or int(count) < 1:
+            raise ValueError(f"prompt source {text!r}: expected '{kind}:N' with N a positive integer")
+        return (ocr_prompts if kind == "ocr" else geneval_prompts)(int(count))
     if text.endswith(".jsonl"):
         return load_geneval_metadata(text)
     return load_prompts(text)
+
+
+# Mixed pools ---------------------------------------------------------------------------------------
+
+
+def _mark(prompts: PromptSet, source: str, reward: str | None) -> tuple[PromptSet, str]:
+    """``prompts`` of a pool's ``source`` with metadata that make ``ocr`` and ``geneval`` apply
+    exactly where ``reward`` says: ``"source"`` names the source; ``"text"`` is the text to render
+    on OCR prompts (the metadata's or the prompt's quoted span) and None elsewhere; GenEval
+    metadata (``"include"``) only on GenEval prompts. ``reward`` None: inferred."""
+    has_text = ["text" in m for m in prompts.metadata]
+    has_geneval = ["include" in m for m in prompts.metadata]
+    if reward is None:
+        if all(has_geneval):
+            reward = "geneval"
+        elif all(has_text):
+            reward = "ocr"
+        elif not any(has_text) and not any(has_geneval):
+            reward = "general"
+        else:
+            raise ValueError(
+                "some prompts carry OCR or GenEval metadata and some do not; say which prompts "
+                "these are with reward: ocr, geneval or general"
+            )
+    if reward not in ("ocr", "geneval", "general"):
+        raise ValueError(f"reward must be 'ocr', 'geneval', 'general' or None, got {reward!r}")
+    metadata = []
+    for number, (prompt, meta) in enumerate(zip(*prompts, strict=True), start=1):
+        where = f"prompt {number} ({prompt!r})"
+        if reward != "geneval" and "include" in meta:
+            raise ValueError(f"{where} carries GenEval metadata, but its source is for reward {reward!r}")
+        if reward == "geneval":
+            try:
+                check_metadata(meta)
+            except ValueError as err:
+                raise ValueError(f"{where}: not a GenEval prompt: {err}") from None
+        text = meta.get("text", quoted_text(prompt)) if reward == "ocr" else None
+        if reward == "ocr" and (not isinstance(text, str) or not text.strip()):
+            raise ValueError(f"{where} has no text to render (no quoted text, no metadata 'text')")
+        metadata.append({**meta, "source": source, "text": text})
+    return PromptSet(list(prompts.prompts), metadata), reward
+
+
+class PromptPool:
+    """Prompts from several :class:`PromptSet` sources, each epoch's draw split by weight.
+
+    Args:
+        sets: the sources' prompts (non-empty).
+        weights: one per source, positive: source ``j``'s expected share of a draw is
+            ``w_j / sum(w)``.
+        rewards: per source, the specialist reward its prompts are marked for (``"ocr"``,
+            ``"geneval"``, ``"general"``), or None (unmarked: its metadata as loaded).
+
+    Attributes:
+        sets, weights, rewards: as given. prompts, metadata: every source's, concatenated (what
+            :meth:`draw`'s indices index).
+
+    >>> pool = PromptPool([ocr_prompts(3), geneval_prompts(2)], [1.0, 1.0])
+    >>> rows = pool.draw(4, torch.Generator().manual_seed(0))
+    >>> sorted("text" in pool.metadata[i] for i in rows.tolist())  # two from each source
+    [False, False, True, True]
+
+    Raises:
+        ValueError: no source, an empty source, or weights that are not one positive finite
+            number per source.
+    """
+
+    def __init__(
+        self, sets: Sequence[PromptSet], weights: Sequence[float], rewards: Sequence[str | None] | None = None
+    ) -> None:
+        sets, weights = list(sets), list(weights)
+        rewards = [None] * len(sets) if rewards is None else list(rewards)
+        if not sets or len(weights) != len(sets) or len(rewards) != len(sets):
+            raise ValueError(
+                f"a pool needs a source and one weight and reward per source, got {len(sets)} sources, "
+                f"weights {weights}, rewards {rewards}"
+            )
+        for j, (prompts, weight) in enumerate(zip(sets, weights, strict=True)):
+            if not prompts.prompts:
+                raise ValueError(f"pool source {j} has no prompts")
+            if isinstance(weight, bool) or not isinstance(weight, int | float) or not 0 < weight < math.inf:
+                raise ValueError(f"pool source {j}: weight must be a positive finite number, got {weight!r}")
+        self.sets, self.weights, self.rewards = sets, weights, rewards
+        self.prompts = [p for s in sets for p in s.prompts]
+        self.metadata = [m for s in sets for m in s.metadata]
+        self._offsets = [0]
+        for s in sets:
+            self._offsets.append(self._offsets[-1] + len(s.prompts))
+
+    def counts(self, n: int, generator: torch.Generator) -> list[int]:
+        """How many of ``n`` prompts each source gives: ``floor(q_j)`` or ``ceil(q_j)`` with
+        ``q_j = n w_j / sum(w)``, summing to ``n``, and ``E[count_j] = q_j`` exactly.
+
+        The ``r = n - sum floor(q_j)`` extra prompts go to distinct sources by systematic sampling
+        (one uniform ``u``, points ``u, u + 1, ..., u + r - 1`` over the fractional parts laid end
+        to end), so source ``j`` gets one with probability ``q_j - floor(q_j)``. The quotas are
+        exact rationals; ``generator`` is used only when some ``q_j`` is not an integer.
+        """
+        total = sum(Fraction(w) for w in self.weights)
+        quotas = [n * Fraction(w) / total for w in self.weights]
+        counts = [math.floor(q) for q in quotas]
+        extra = n - sum(counts)
+        if extra:
+            u = Fraction(torch.rand((), generator=generator, dtype=torch.float64).item())
+            edge = Fraction(0)
+            for j, q in enumerate(quotas):
+                start, edge = edge, edge + q - counts[j]
+                counts[j] += math.ceil(edge - u) - math.ceil(start - u)  # points u + m in [start, edge)
+        return counts
+
+    def draw(self, n: int, generator: torch.Generator) -> torch.Tensor:
+        """``n`` indices into ``prompts`` (int64): :meth:`counts` from each source, uniform
+        with replacement within it, in random order. One source: exactly
+        ``torch.randint(len(prompts), (n,), generator=generator)``."""
+        parts = [
+            torch.randint(len(s.prompts), (count,), generator=generator) + start
+            for s, count, start in zip(self.sets, self.counts(n, generator), self._offsets[:-1], strict=True)
+        ]
+        rows = torch.cat(parts)
+        return rows if len(self.sets) == 1 else rows[torch.randperm(n, generator=generator)]
+
+
+def load_prompt_pool(source: str | os.PathLike[str] | PromptSet | Sequence[PromptSource]) -> PromptPool:
+    """The :class:`PromptPool` of ``sampling.prompts``.
+
+    A single source (a :func:`load_prompt_set` string, or a :class:`PromptSet`) is a pool of one,
+    its metadata as loaded. A list of :class:`~mogo_diffusion.config.PromptSource` mixes its
+    sources by ``weight``; each prompt's metadata then names its ``"source"`` and marks what the
+    specialists score: ``"text"`` (OCR's target) only on the prompts of ``reward: ocr`` sources
+    (None elsewhere, where OCR is NaN even for a quoted word) and GenEval metadata only on those of
+    ``reward: geneval`` sources (elsewhere an error), so ``ocr`` and ``geneval`` are NaN exactly
+    outside their own prompts. ``reward`` None infers it from the metadata (GenEval ``.jsonl``,
+    ``shapes:`` and ``geneval:N`` are GenEval's; ``ocr:N`` is OCR's; a text file is general).
+
+    Raises:
+        FileNotFoundError, ValueError: a source that cannot be read or does not fit its
+            ``reward``, naming the entry (``entry 1 ('ocr.txt'): ...``); an empty list.
+    """
+    if isinstance(source, PromptSet):
+        return PromptPool([source], [1.0])
+    if isinstance(source, str | os.PathLike):
+        return PromptPool([load_prompt_set(source)], [1.0])
+    entries = list(source)
+    if not entries:
+        raise ValueError("a prompt pool needs at least one source")
+    marked = []
+    for i, entry in enumerate(entries):
+        try:
+            marked.append(_mark(load_prompt_set(entry.source), entry.source, entry.reward))
+        except (OSError, ValueError) as err:
+            raise type(err)(f"entry {i} ({entry.source!r}): {err}") from None
+    sets, rewards = zip(*marked, strict=True)
+    return PromptPool(sets, [entry.weight for entry in entries], rewards)

@@ -55,7 +55,7 @@ from mogo_diffusion.checkpoint import (
 from mogo_diffusion.config import Config, ConfigError, add_config_arguments, config_from_args
 from mogo_diffusion.evaluate import plot_run, save_comparison
 from mogo_diffusion.nft import kl_loss, nft_terms
-from mogo_diffusion.prompts import PromptSet, load_prompt_set
+from mogo_diffusion.prompts import PromptPool, PromptSet, load_prompt_pool
 from mogo_diffusion.rewards import MultiReward, make_reward, reward_factory
 from mogo_diffusion.sampling import Samples, decode, sample
 from mogo_diffusion.strategies import Strategy, make_strategy
@@ -237,7 +237,7 @@ class Trainer:
         self.eval_prompts = (
             None
             if config.sampling.eval_prompts is None
-            else self._load_prompts(config.sampling.eval_prompts, "sampling.eval_prompts")
+            else self._load_prompts(config.sampling.eval_prompts, "sampling.eval_prompts").sets[0]
         )
         self.eval_images: torch.Tensor | None = None
         self._eval_cache: tuple[torch.Tensor, torch.Tensor, torch.Tensor] | None = None
@@ -247,11 +247,11 @@ class Trainer:
         self.metrics_path = self.out / "metrics.jsonl"
 
     @staticmethod
-    def _load_prompts(source: str | None, field: str) -> PromptSet:
+    def _load_prompts(source: Any, field: str) -> PromptPool:
         if source is None:
-            return PromptSet(list(DEFAULT_PROMPTS), [{} for _ in DEFAULT_PROMPTS])
+            source = PromptSet(list(DEFAULT_PROMPTS), [{} for _ in DEFAULT_PROMPTS])
         try:
-            return load_prompt_set(source)
+            return load_prompt_pool(source)
         except (OSError, ValueError) as error:
             raise ConfigError(f"{field}: {error}") from None
 
@@ -274,7 +274,7 @@ class Trainer:
         ``local``)."""
         sampling = self.config.sampling
         generator = self.stream("sampling", epoch)
-        chosen = torch.randint(len(self.prompts.prompts), (sampling.prompts_per_epoch,), generator=generator)
+        chosen = self.prompts.draw(sampling.prompts_per_epoch, generator)
         rows = [i for i in chosen.tolist() for _ in range(sampling.group_size)]
         prompts = [self.prompts.prompts[i] for i in rows]
         metadata = [self.prompts.metadata[i] for i in rows]

@@ -11,7 +11,8 @@ The target is ``metadata["text"]`` when given, else the first quoted span of the
 between the first straight double quote ``"`` and the next one (or the end of the prompt, as in
 Flow-GRPO), or between typographic quotes ``“ ”``, whichever opens first. Single quotes are not
 quotes here (they are apostrophes in ``a dog's "sign"``). The score is NaN (not applicable) for a
-prompt with no quoted text, or whose quoted text is only spaces.
+prompt with no quoted text, or whose quoted text is only spaces, and where ``metadata["text"]`` is
+None (a prompt that asks for no text: a mixed prompt pool marks its non-OCR prompts so).
 
 Recognition runs `RapidOCR <https://github.com/RapidAI/RapidOCR>`_ (``pip install 'mogo[ocr]'``),
 whose wheel ships its ONNX models: nothing is downloaded. Flow-GRPO runs PaddleOCR with the angle
@@ -157,6 +158,8 @@ class OcrReward:
         """The text sample's image should show, or None when there is none (see the module)."""
         if "text" in metadata:
             text = metadata["text"]
+            if text is None:
+                return None
             if not isinstance(text, str) or not normalize_text(text):
                 raise ValueError(
                     f"metadata['text'] must be a string with a non-space character, got {text!r}"

@@ -212,3 +212,37 @@ def test_the_check_names_the_ocr_extra_when_rapidocr_is_missing(monkeypatch):
         "rewards.0: the 'ocr' reward needs the ocr extra (missing: rapidocr_onnxruntime): "
         "pip install 'mogo[ocr]'" in report.problems
     )
+
+
+def test_the_multi_reward_configs_train_on_the_mixed_pool():
+    for name in ("marble", "weighted_sum", "sequential"):
+        prompts = load_config(ROOT / "configs" / f"sd35m_{name}.yaml").sampling.prompts
+        assert [(p.source, p.reward) for p in prompts] == [
+            ("dataset/pickscore/train.txt", None),
+            ("dataset/ocr/train.txt", "ocr"),
+            ("dataset/geneval/train_metadata.jsonl", "geneval"),
+        ]
+
+
+def test_check_names_each_missing_pool_file_and_reads_the_others(tiny_dir, tmp_path, capsys):
+    general = tmp_path / "general.txt"
+    general.write_text("a cat on a sofa\n")
+    pool = [{"source": str(general), "weight": 2.0}, {"source": "ocr:3", "reward": "ocr"},
+            {"source": "dataset/geneval/train_metadata.jsonl"}]  # fmt: skip
+    config = load_config(tiny_config(tmp_path, tiny_dir), [f"sampling.prompts={pool}"])
+    assert preflight(config).problems == [
+        "sampling.prompts.2.source: prompt file 'dataset/geneval/train_metadata.jsonl' not found "
+        "(DiffusionNFT's prompt sets: git clone https://github.com/NVlabs/DiffusionNFT "
+        "&& ln -s DiffusionNFT/dataset .)"
+    ]
+    config = load_config(tiny_config(tmp_path, tiny_dir), [f"sampling.prompts={pool[:2]}"])
+    report = preflight(config)
+    assert report.ok, report.problems
+    assert f"sampling.prompts: a pool of 2 sources: {general}: 1 general prompts, weight 2; ocr:3: 3 ocr " \
+        "prompts, weight 1" in report.lines  # fmt: skip
+    pool[0]["reward"] = "ocr"  # the file exists but its prompt has no text to render
+    report = preflight(load_config(tiny_config(tmp_path, tiny_dir), [f"sampling.prompts={pool[:2]}"]))
+    assert report.problems == [
+        f"sampling.prompts: entry 0 ('{general}'): prompt 1 ('a cat on a sofa') has no text to render "
+        "(no quoted text, no metadata 'text')"
+    ]
