@@ -3,6 +3,7 @@
 from __future__ import annotations
 
 import json
+import math
 import shutil
 import subprocess
 import sys
@@ -29,6 +30,7 @@ from mogo_diffusion.evaluate import (
     save_grid,
 )
 from mogo_diffusion.train import Trainer
+from tests.diffusion.test_imagereward import tiny_imagereward
 
 
 def test_composite_is_the_mean_z_score_and_ignores_constant_rewards():
@@ -180,16 +182,15 @@ def test_base_is_the_pretrained_model_from_the_same_noise(runs, capsys, tmp_path
     # A checkpoint saved before training: its adapter's B is 0, so it samples as the pretrained model.
     untrained = Trainer(_run_config(tiny, tmp_path / "untrained", {"name": "weighted_sum"}))
     untrained.save()
-    zero = _evaluate(
-        capsys, tmp_path / "untrained" / "checkpoints" / "step-000000", "--metric", "color_match"
-    )
-    base = _evaluate(
-        capsys, root / "marble", "--base", "--metric", "color_match", "--out", tmp_path / "b.json"
-    )
+    tiny_imagereward(tmp_path / "imagereward")
+    metrics = ["--metric", "color_match", "--metric", f"imagereward:model={tmp_path / 'imagereward'}"]
+    zero = _evaluate(capsys, tmp_path / "untrained" / "checkpoints" / "step-000000", *metrics)
+    base = _evaluate(capsys, root / "marble", "--base", *metrics, "--out", tmp_path / "b.json")
     assert (base["base"], base["epoch"], base["checkpoint"]) == (True, None, None)
     assert base["name"] == "marble/base"
     assert base["metrics"] == zero["metrics"]
-    assert set(base["metrics"]) == {"jpeg_compressibility", "sharpness", "color_match"}
+    assert list(base["metrics"]) == ["jpeg_compressibility", "sharpness", "color_match", "imagereward"]
+    assert all(math.isfinite(value) for value in base["metrics"].values())
     trained = json.loads((root / "marble" / "eval-step-000002.json").read_text())
     assert trained["metrics"]["sharpness"] != base["metrics"]["sharpness"]
     config = tmp_path / "run.yaml"
