@@ -310,9 +310,10 @@ def evaluate_run(
         name: the run's name in :func:`results_table` (default: the source and what was evaluated).
 
     Returns:
-        ``{"name", "source", "checkpoint", "epoch", "base", "prompts", "num_prompts",
-        "eval_num_steps", "metrics": {reward: mean}, "diagnostics": {...}}``; a mean is None where
-        the reward applies to no prompt.
+        ``{"name", "source", "run_dir", "evaluated" (the checkpoint's name, or "base"),
+        "checkpoint", "epoch", "base", "prompts", "num_prompts", "eval_num_steps",
+        "metrics": {reward: mean}, "diagnostics": {...}}``; a mean is None where the reward
+        applies to no prompt.
 
     Raises:
         FileNotFoundError: ``source`` is missing, or a run directory without checkpoints.
@@ -367,13 +368,19 @@ def evaluate_run(
     if extra:
         more = MultiReward(extra).to(trainer.device)
         scores.update(_means(more(images, *eval_prompts).values, more.names))
-    if name is None:
-        inside_run = checkpoint == source and source.parent.name == "checkpoints"
-        run = source.parent.parent if inside_run else source
-        name = f"{run.stem}/{'base' if base else checkpoint.name if checkpoint else ''}"
+    if source.is_file():  # a config (--base)
+        run_dir, label = source.parent, source.stem
+    elif checkpoint == source:
+        run_dir = source.parent.parent if source.parent.name == "checkpoints" else source.parent
+        label = run_dir.name
+    else:
+        run_dir, label = source, source.name
+    evaluated = "base" if base or checkpoint is None else checkpoint.name
     return {
-        "name": name,
+        "name": name or f"{label}/{evaluated}",
         "source": str(source),
+        "run_dir": str(run_dir),
+        "evaluated": evaluated,
         "checkpoint": None if base or checkpoint is None else str(checkpoint),
         "epoch": None if base else trainer.epoch,
         "base": base,
@@ -442,13 +449,7 @@ def results_table(results: Sequence[Mapping[str, Any]]) -> tuple[str, dict[str, 
 
 def _default_out(result: Mapping[str, Any]) -> Path:
     """Where a result goes without ``--out``: ``eval-<what>.json`` in its run directory."""
-    source = Path(result["source"])
-    checkpoint = result["checkpoint"]
-    if checkpoint is not None:
-        path = Path(checkpoint)
-        run = path.parent.parent if path.parent.name == "checkpoints" else path.parent
-        return run / f"eval-{path.name}.json"
-    return (source if source.is_dir() else source.parent) / "eval-base.json"
+    return Path(result["run_dir"]) / f"eval-{result['evaluated']}.json"
 
 
 def main(argv: Sequence[str] | None = None) -> None:

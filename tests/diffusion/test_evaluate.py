@@ -188,6 +188,10 @@ def test_base_is_the_pretrained_model_from_the_same_noise(runs, capsys, tmp_path
     base = _evaluate(capsys, root / "marble", "--base", *metrics, "--out", tmp_path / "b.json")
     assert (base["base"], base["epoch"], base["checkpoint"]) == (True, None, None)
     assert base["name"] == "marble/base"
+    from_checkpoint = _evaluate(capsys, root / "marble" / "checkpoints" / "step-000001", "--base")
+    assert from_checkpoint["name"] == "marble/base"
+    assert (root / "marble" / "eval-base.json").is_file()  # in the run directory
+    assert from_checkpoint["metrics"] == {k: base["metrics"][k] for k in from_checkpoint["metrics"]}
     assert base["metrics"] == zero["metrics"]
     assert list(base["metrics"]) == ["jpeg_compressibility", "sharpness", "color_match", "imagereward"]
     assert all(math.isfinite(value) for value in base["metrics"].values())

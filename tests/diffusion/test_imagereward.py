@@ -23,6 +23,7 @@ LETTERS = "abcdefghijklmnopqrstuvwxyz"
 VOCAB = ["[PAD]", "[UNK]", "[CLS]", "[SEP]", "[MASK]", *WORDS, *LETTERS, *("##" + c for c in LETTERS)]
 HEADS = 4  # both towers; the published model has 16 (ViT) and 12 (BERT)
 SIZE, PATCH = 32, 8
+EMPTY_TESTED = {"imagereward"}  # the registered names whose empty batch is tested here
 PROMPTS = ["a red cat", "a photo of the blue dog on a dog", "dog", "the cat"]
 
 _VIT_NAMES = {  # ours -> the original BLIP code's, for building a state dict of the published layout
