@@ -3,6 +3,11 @@
 from __future__ import annotations
 
 import json
+import math
+import shutil
+import subprocess
+import sys
+from pathlib import Path
 
 import numpy as np
 import pytest
@@ -11,14 +16,21 @@ from hypothesis import given
 from hypothesis import strategies as st
 from PIL import Image
 
+from mogo_diffusion import models
+from mogo_diffusion.config import Config
 from mogo_diffusion.evaluate import (
     composite_zscores,
+    main,
+    parse_metric,
     plot_run,
     read_metrics,
+    results_table,
     reward_zscores,
     save_comparison,
     save_grid,
 )
+from mogo_diffusion.train import Trainer
+from tests.diffusion.test_imagereward import tiny_imagereward
 
 
 def test_composite_is_the_mean_z_score_and_ignores_constant_rewards():
@@ -94,3 +106,145 @@ def test_save_comparison_shows_each_prompt_with_its_two_images(tmp_path):
     assert picture.shape[1] > picture.shape[0]  # two rows of three pairs, wider than tall
     with pytest.raises(ValueError, match="must be \\[N, 3, H, W\\] for the 4 prompts"):
         save_comparison(base, trained, ["a"] * 4, tmp_path / "bad.png")
+
+
+# ---- python -m mogo_diffusion.evaluate on tiny runs ---------------------------------------------
+
+
+def _run_config(tiny_dir, out, strategy: dict, **train) -> Config:
+    return Config.from_dict(
+        {
+            "model": {"pretrained": str(tiny_dir), "dtype": "float32", "lora_rank": 4, "lora_alpha": 8,
+                      "max_sequence_length": 16},
+            "sampling": {"num_steps": 2, "eval_num_steps": 3, "resolution": 32, "group_size": 2,
+                         "prompts_per_epoch": 2, "batch_size": 4, "solver": "euler",
+                         "eval_prompts": "shapes:heldout:5"},
+            "rewards": [{"name": "jpeg_compressibility", "weight": 1.0},
+                        {"name": "sharpness", "weight": 1.0}],
+            "strategy": strategy,
+            "train": {"epochs": 2, "batch_size": 4, "mixed_precision": "no", "out_dir": str(out),
+                      "checkpoint_every": 1, "eval_every": 1, "lr": 3e-2, "eval_ema_decay": 0.5, **train},
+        }
+    )  # fmt: skip
+
+
+@pytest.fixture(scope="module")
+def runs(tmp_path_factory):
+    """Two tiny runs of two epochs (MARBLE and the weighted sum), evaluated and saved every epoch."""
+    tiny = tmp_path_factory.mktemp("tiny-sd3")
+    models.tiny_sd3("smoke").save_pretrained(tiny)
+    root = tmp_path_factory.mktemp("runs")
+    strategies = {"marble": {"name": "marble", "harmonize_every": 1}, "sum": {"name": "weighted_sum"}}
+    for name, strategy in strategies.items():
+        Trainer(_run_config(tiny, root / name, strategy)).train()
+    return tiny, root
+
+
+def _evaluate(capsys, *argv) -> dict:
+    main([str(a) for a in argv])
+    out = Path(capsys.readouterr().err.strip().split("wrote ")[-1])
+    return json.loads(out.read_text())
+
+
+def test_evaluate_reproduces_each_runs_own_heldout_evaluation_and_combines_them(runs, capsys, tmp_path):
+    _, root = runs
+    results = []
+    for run in ("marble", "sum"):
+        logged = read_metrics(root / run)
+        for epoch, source in ((1, root / run / "checkpoints" / "step-000001"), (2, root / run)):
+            result = _evaluate(capsys, source)  # a run directory: its latest checkpoint
+            assert (result["epoch"], result["num_prompts"]) == (epoch, 5)
+            # the same weights (the evaluation EMA), prompts and noise as in training: the same numbers
+            expected = {
+                k.removeprefix("eval/"): v for k, v in logged[epoch - 1].items() if k.startswith("eval/")
+            }
+            assert result["metrics"] == expected
+        assert result["name"] == f"{run}/step-000002"
+        assert Path(result["checkpoint"]).name == "step-000002"
+        assert (root / run / "eval-step-000002.json").is_file()
+        results.append(root / run / "eval-step-000002.json")
+    assert logged[0]["eval/sharpness"] != logged[1]["eval/sharpness"]  # the weights did move
+    main(["--combine", *map(str, results), "--out", str(tmp_path / "table.md")])
+    table = capsys.readouterr().out
+    assert table == (tmp_path / "table.md").read_text()
+    assert table.splitlines()[0] == "| run | jpeg_compressibility | sharpness | composite |"
+    summary = json.loads((tmp_path / "table.json").read_text())
+    means = {name: list(row.values()) for name, row in summary["metrics"].items()}
+    assert summary["composite"] == composite_zscores(means)
+    assert set(summary["composite"]) == {"marble/step-000002", "sum/step-000002"}
+    for name, value in summary["composite"].items():
+        assert f"| {name} |" in table
+        assert f"{value:.4g} |" in table
+
+
+def test_base_is_the_pretrained_model_from_the_same_noise(runs, capsys, tmp_path):
+    tiny, root = runs
+    # A checkpoint saved before training: its adapter's B is 0, so it samples as the pretrained model.
+    untrained = Trainer(_run_config(tiny, tmp_path / "untrained", {"name": "weighted_sum"}))
+    untrained.save()
+    tiny_imagereward(tmp_path / "imagereward")
+    metrics = ["--metric", "color_match", "--metric", f"imagereward:model={tmp_path / 'imagereward'}"]
+    zero = _evaluate(capsys, tmp_path / "untrained" / "checkpoints" / "step-000000", *metrics)
+    base = _evaluate(capsys, root / "marble", "--base", *metrics, "--out", tmp_path / "b.json")
+    assert (base["base"], base["epoch"], base["checkpoint"]) == (True, None, None)
+    assert base["name"] == "marble/base"
+    from_checkpoint = _evaluate(capsys, root / "marble" / "checkpoints" / "step-000001", "--base")
+    assert from_checkpoint["name"] == "marble/base"
+    assert (root / "marble" / "eval-base.json").is_file()  # in the run directory
+    assert from_checkpoint["metrics"] == {k: base["metrics"][k] for k in from_checkpoint["metrics"]}
+    assert base["metrics"] == zero["metrics"]
+    assert list(base["metrics"]) == ["jpeg_compressibility", "sharpness", "color_match", "imagereward"]
+    assert all(math.isfinite(value) for value in base["metrics"].values())
+    trained = json.loads((root / "marble" / "eval-step-000002.json").read_text())
+    assert trained["metrics"]["sharpness"] != base["metrics"]["sharpness"]
+    config = tmp_path / "run.yaml"
+    _run_config(tiny, tmp_path / "other", {"name": "weighted_sum"}).save(config)
+    other = _evaluate(capsys, config, "--base", "--prompts", "shapes:heldout:3", "--out", tmp_path / "c.json")
+    assert (other["num_prompts"], other["prompts"]) == (3, "shapes:heldout:3")
+    assert other["metrics"] != {k: base["metrics"][k] for k in other["metrics"]}  # 3 of the 5 prompts
+
+
+def test_evaluate_errors_are_one_line(runs, capsys, tmp_path):
+    _, root = runs
+    checkpoint = root / "sum" / "checkpoints" / "step-000001"
+    damaged = tmp_path / "damaged"
+    shutil.copytree(checkpoint, damaged)
+    with (damaged / "tensors.safetensors").open("r+b") as file:
+        file.seek(-1, 2)
+        file.write(b"\x00" if file.read(1) != b"\x00" else b"\x01")
+    cases = [
+        ([tmp_path / "missing"], "does not exist"),
+        ([damaged], "tensors.safetensors' differs from its hash"),
+        ([checkpoint, "--metric", "imagerewrd"], "unknown reward 'imagerewrd'"),
+        ([checkpoint, "--metric", "sharpness"], "one of the run's rewards"),
+        ([checkpoint, "--metric", "color_match:size=3"], "metric 'color_match': ColorMatch"),
+        ([tmp_path], "no manifest.json"),
+        ([], "either a SOURCE"),
+        (["--combine", root / "sum" / "eval-step-000002.json"], "at least two runs"),
+    ]
+    for argv, message in cases:
+        with pytest.raises(SystemExit) as exit_info:
+            main([str(a) for a in argv])
+        assert exit_info.value.code == 2
+        error = capsys.readouterr().err.strip().splitlines()[-1]
+        assert message in error, error
+
+
+def test_results_table_needs_distinct_names_and_a_common_metric():
+    with pytest.raises(ValueError, match=r"distinct names, got \['a'\]"):
+        results_table([{"name": "a", "metrics": {"x": 1.0}}] * 2)
+    with pytest.raises(ValueError, match="no metric has a mean in every run: x, y"):
+        results_table([{"name": "a", "metrics": {"x": 1.0}}, {"name": "b", "metrics": {"y": 1.0}}])
+    with pytest.raises(ValueError, match="got the option 'size'"):
+        parse_metric("color_match:size")
+
+
+def test_the_command_has_help():
+    done = subprocess.run(
+        [sys.executable, "-m", "mogo_diffusion.evaluate", "--help"],
+        capture_output=True,
+        text=True,
+        check=True,
+    )
+    assert "--combine" in done.stdout
+    assert "--base" in done.stdout

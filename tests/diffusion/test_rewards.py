@@ -254,12 +254,13 @@ def test_an_empty_batch_scores_empty_and_a_zero_size_image_is_refused(name):
 
 
 def test_every_registered_reward_is_tested_on_an_empty_batch():
-    from tests.diffusion import test_ocr_geneval, test_reward_models, test_shapes_rewards
+    from tests.diffusion import test_imagereward, test_ocr_geneval, test_reward_models, test_shapes_rewards
 
     tested = {
         *RULES,
         *test_reward_models.CLIP_NAMES,
         *test_shapes_rewards.NAMES,
         *test_ocr_geneval.EMPTY_TESTED,
+        *test_imagereward.EMPTY_TESTED,
     }
     assert tested == set(available_rewards())
