@@ -264,9 +264,11 @@ def _sampling_progress(trainer: Trainer, count: int) -> Iterator[None]:
 
     steps = trainer.config.sampling.eval_num_steps
     bar = tqdm(total=count * steps, desc=f"sampling {count} images x {steps} steps", unit="step")
-    hook = trainer.transformer.register_forward_hook(
-        lambda module, inputs, output: bar.update(len(output[0]))
-    )
+
+    def advance(module: Any, inputs: Any, output: Any) -> None:  # returns None: the output stays
+        bar.update(len(output[0]))
+
+    hook = trainer.transformer.register_forward_hook(advance)
     try:
         yield
     finally:

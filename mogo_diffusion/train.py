@@ -30,7 +30,7 @@ import difflib
 import inspect
 import json
 import time
-from collections.abc import Sequence
+from collections.abc import Callable, Sequence
 from contextlib import AbstractContextManager, nullcontext
 from dataclasses import dataclass, replace
 from pathlib import Path
@@ -55,7 +55,7 @@ from mogo_diffusion.checkpoint import (
 from mogo_diffusion.config import Config, ConfigError, add_config_arguments, config_from_args
 from mogo_diffusion.evaluate import plot_run, save_comparison
 from mogo_diffusion.nft import kl_loss, nft_terms
-from mogo_diffusion.prompts import PromptPool, PromptSet, load_prompt_pool
+from mogo_diffusion.prompts import PromptSet, load_prompt_pool, load_prompt_set
 from mogo_diffusion.rewards import MultiReward, make_reward, reward_factory
 from mogo_diffusion.sampling import Samples, decode, sample
 from mogo_diffusion.strategies import Strategy, make_strategy
@@ -157,6 +157,14 @@ def check_config(config: Config) -> None:
     make_strategy(config)
 
 
+def _read_prompts(load: Callable[[Any], Any], source: Any, field: str) -> Any:
+    """``load(source)``, its errors as a :class:`ConfigError` naming ``field``."""
+    try:
+        return load(source)
+    except (OSError, ValueError) as error:
+        raise ConfigError(f"{field}: {error}") from None
+
+
 def _hyperparameters(config: Config) -> dict[str, Any]:
     """The config as flat ``section.key`` scalars (what trackers accept as hyper-parameters)."""
     flat: dict[str, Any] = {}
@@ -233,11 +241,12 @@ class Trainer:
             [make_reward(spec.name, **spec.options) for spec in config.rewards],
             threads=config.train.reward_threads,
         ).to(self.device)
-        self.prompts = self._load_prompts(config.sampling.prompts, "sampling.prompts")
+        default = PromptSet(list(DEFAULT_PROMPTS), [{} for _ in DEFAULT_PROMPTS])
+        self.prompts = _read_prompts(load_prompt_pool, config.sampling.prompts or default, "sampling.prompts")
         self.eval_prompts = (
             None
             if config.sampling.eval_prompts is None
-            else self._load_prompts(config.sampling.eval_prompts, "sampling.eval_prompts").sets[0]
+            else _read_prompts(load_prompt_set, config.sampling.eval_prompts, "sampling.eval_prompts")
         )
         self.eval_images: torch.Tensor | None = None
         self._eval_cache: tuple[torch.Tensor, torch.Tensor, torch.Tensor] | None = None
@@ -245,15 +254,6 @@ class Trainer:
         self.optimizer = self.strategy.build(self.params)
         self.epoch = 0
         self.metrics_path = self.out / "metrics.jsonl"
-
-    @staticmethod
-    def _load_prompts(source: Any, field: str) -> PromptPool:
-        if source is None:
-            source = PromptSet(list(DEFAULT_PROMPTS), [{} for _ in DEFAULT_PROMPTS])
-        try:
-            return load_prompt_pool(source)
-        except (OSError, ValueError) as error:
-            raise ConfigError(f"{field}: {error}") from None
 
     # ---- the steps of an epoch -----------------------------------------------------------------
 
