@@ -37,7 +37,7 @@ from mogo_diffusion.config import Config
 from mogo_diffusion.preflight import SD35M, SD35M_TRANSFORMER
 from mogo_diffusion.strategies import make_strategy
 from mogo_diffusion.streams import generator
-from mogo_diffusion.train import Batch, Trainer
+from mogo_diffusion.train import Batch, MicroBatch, Trainer
 
 REWARDS = ["pickscore", "hpsv21", "clipscore", "ocr", "geneval"]
 STRATEGIES = {
@@ -119,7 +119,7 @@ def train_steps(trainer: Trainer, batch: Batch, args: argparse.Namespace, steps:
     for _ in range(steps):
         chosen = torch.randperm(args.sampler_steps, generator=g)[: args.timesteps].sort().values
         noise = torch.randn((len(chosen), *batch.latents.shape), generator=g)
-        trainer.gradients(batch, index, advantages, chosen.tolist(), noise)
+        trainer.gradients(batch, [MicroBatch(index, advantages, chosen.tolist(), noise)])
         trainer.update()
     synchronize(trainer.device)
     return time.perf_counter() - start

@@ -28,7 +28,7 @@ import torch
 
 from mogo_diffusion.prompts import PromptPool, PromptSet
 from mogo_diffusion.shapes.recipe import REWARDS, shapes_config
-from mogo_diffusion.train import Trainer
+from mogo_diffusion.train import MicroBatch, Trainer
 
 
 def batch_gradients(trainer: Trainer, batches: int, timesteps: int, first_epoch: int = 1000) -> np.ndarray:
@@ -42,7 +42,7 @@ def batch_gradients(trainer: Trainer, batches: int, timesteps: int, first_epoch:
         noise = torch.randn(
             (len(chosen), *batch.latents.shape), generator=trainer.stream("agreement", first_epoch + b)
         )
-        trainer.gradients(batch, torch.arange(len(batch.latents)), advantages, chosen, noise)
+        trainer.gradients(batch, [MicroBatch(torch.arange(len(batch.latents)), advantages, chosen, noise)])
         grads.append(torch.cat([p.grad.reshape(-1) for p in trainer.params]).double().numpy().copy())
     return np.stack(grads)
 

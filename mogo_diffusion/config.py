@@ -173,6 +173,7 @@ class SamplingConfig:
     prompts: str | list[PromptSource] | None = field(default=None, metadata={"check": NON_EMPTY})
     eval_prompts: str | None = None
     batch_size: int = _field(9, check=POSITIVE)
+    steps_per_epoch: int | None = _field(None, check=POSITIVE)
 
 
 @dataclass
@@ -302,6 +303,10 @@ class TrainConfig:
         grad_clip: the gradient-norm clip (of the unscaled gradient), or None.
         epochs: sampling-and-training rounds.
         batch_size: samples per training forward.
+        steps_per_epoch: optimizer steps per epoch: the epoch's training batches are split into
+            this many groups of consecutive batches, each group's mean gradient one step
+            (DiffusionNFT's ``gradient_step_per_epoch``); None: one step per batch. At most the
+            batches each process trains per epoch.
         timestep_fraction: the fraction of the sampler's timesteps trained per sample
             (``int(fraction * num_steps)`` of them, at least one).
         old_decay_rate, old_decay_max: the old policy follows the trained one by EMA with decay
@@ -322,6 +327,7 @@ class TrainConfig:
     grad_clip: float | None = _field(1.0, check=POSITIVE)
     epochs: int = _field(1000, check=POSITIVE)
     batch_size: int = _field(9, check=POSITIVE)
+    steps_per_epoch: int | None = _field(None, check=POSITIVE)
     timestep_fraction: float = _field(0.99, check=FRACTION)
     old_decay_rate: float = _field(0.001, check=NON_NEGATIVE)
     old_decay_max: float = _field(0.5, check=DECAY)

@@ -34,7 +34,7 @@ from collections.abc import Callable, Sequence
 from contextlib import AbstractContextManager, nullcontext
 from dataclasses import dataclass, replace
 from pathlib import Path
-from typing import Any
+from typing import Any, NamedTuple
 
 import torch
 from accelerate import Accelerator
@@ -94,6 +94,17 @@ class Batch:
     timesteps: torch.Tensor
     images: torch.Tensor
     rewards: torch.Tensor | None = None
+
+
+class MicroBatch(NamedTuple):
+    """One training forward's share of a step: the local rows ``index [b]`` of the epoch's
+    :class:`Batch`, their ``advantages [b, J]``, the trained ``timesteps`` (indices into the
+    sampler's grid) and their noise ``[len(timesteps), b, *latent]``."""
+
+    index: torch.Tensor
+    advantages: torch.Tensor
+    timesteps: list[int]
+    noise: torch.Tensor
 
 
 def _trackers(names: Sequence[str]) -> list[str]:
@@ -222,6 +233,13 @@ class Trainer:
             raise ConfigError(
                 f"sampling.prompts_per_epoch: {config.sampling.prompts_per_epoch} prompts do not split "
                 f"evenly over {self.world} processes"
+            )
+        local = config.sampling.prompts_per_epoch * config.sampling.group_size // self.world
+        batches = -(-local // config.train.batch_size)
+        if config.train.steps_per_epoch is not None and config.train.steps_per_epoch > batches:
+            raise ConfigError(
+                f"train.steps_per_epoch: {config.train.steps_per_epoch} steps, but each process trains "
+                f"{batches} batch(es) of train.batch_size={config.train.batch_size} per epoch"
             )
         self.transformer = self.pipeline.transformer
         with torch.random.fork_rng(devices=[]):  # the adapter's Gaussian init, from its own stream
@@ -408,21 +426,26 @@ class Trainer:
         dtype = torch.bfloat16 if self.mixed_precision == "bf16" else torch.float16
         return torch.autocast(self.device.type, dtype=dtype)
 
-    def gradients(
-        self, batch: Batch, index: torch.Tensor, advantages: torch.Tensor, timesteps: Sequence[int],
-        noise: torch.Tensor,
-    ) -> torch.Tensor:  # fmt: skip
-        """Write one optimizer step's gradient into ``.grad``: one (scaled) backward per trained
-        timestep, then the strategy's final reduction, then unscaled; ``advantages`` are the rows
-        ``index``'s, ``noise [len(timesteps), *x0.shape]``. Returns the summed KL terms (a 0-d
-        float64 tensor on the device: no host sync)."""
+    def gradients(self, batch: Batch, parts: Sequence[MicroBatch]) -> torch.Tensor:
+        """Write one optimizer step's gradient into ``.grad``: the mean over ``parts`` of each
+        micro-batch's loss, one (scaled) backward per micro-batch and trained timestep, then the
+        strategy's final reduction, then unscaled. Returns the summed KL terms (a 0-d float64
+        tensor on the device: no host sync)."""
+        if not parts:
+            raise ValueError("an optimizer step needs at least one micro-batch")
         self.optimizer.zero_grad()
         total = torch.zeros((), dtype=torch.float64, device=self.device)
-        for j, eps in zip(timesteps, noise, strict=True):
-            losses, kl = self.losses(batch, index, advantages, j, eps.to(batch.latents))
-            self.strategy.backward(self.scaler.scale(losses), None if kl is None else self.scaler.scale(kl))
-            if kl is not None:
-                total += kl.detach()
+        weight = 1 / len(parts)
+        for part in parts:
+            for j, eps in zip(part.timesteps, part.noise, strict=True):
+                losses, kl = self.losses(batch, part.index, part.advantages, j, eps.to(batch.latents))
+                if len(parts) > 1:
+                    losses, kl = losses * weight, None if kl is None else kl * weight
+                self.strategy.backward(
+                    self.scaler.scale(losses), None if kl is None else self.scaler.scale(kl)
+                )
+                if kl is not None:
+                    total += kl.detach() / weight
         self.strategy.finish()  # .grad final (harmonized, averaged over processes) before clipping
         self.scaler.unscale_(self.optimizer)
         return total
@@ -436,8 +459,9 @@ class Trainer:
         self.scaler.update()
 
     def train_epoch(self, epoch: int) -> dict[str, Any]:
-        """Sample, score, advantages, then one :meth:`gradients` and :meth:`update` per training
-        batch; returns the epoch's metrics."""
+        """Sample, score, advantages, then :meth:`gradients` and :meth:`update` for each of
+        ``train.steps_per_epoch`` groups of consecutive training batches (one batch a step when
+        None); returns the epoch's metrics."""
         start = time.perf_counter()
         batch = self.score(self.sample(epoch))
         sampled = time.perf_counter()
@@ -447,15 +471,17 @@ class Trainer:
         steps = len(batch.timesteps)
         count = max(1, int(train.timestep_fraction * steps))
         order = torch.randperm(len(batch.latents), generator=generator)
-        kl = torch.zeros((), dtype=torch.float64, device=self.device)
-        trained = 0
+        parts = []
         for begin in range(0, len(order), train.batch_size):
             index = order[begin : begin + train.batch_size]
             chosen = torch.randperm(steps, generator=generator)[:count].sort().values
             noise = torch.randn((len(chosen), *batch.latents[index].shape), generator=generator)
-            kl += self.gradients(batch, index, advantages[index], chosen.tolist(), noise)
-            trained += len(chosen)
+            parts.append(MicroBatch(index, advantages[index], chosen.tolist(), noise))
+        kl = torch.zeros((), dtype=torch.float64, device=self.device)
+        for group in torch.arange(len(parts)).tensor_split(train.steps_per_epoch or len(parts)):
+            kl += self.gradients(batch, [parts[i] for i in group.tolist()])
             self.update()
+        trained = count * len(parts)
         decay = min(train.old_decay_rate * epoch, train.old_decay_max)
         models.ema_update(self.transformer, decay)
         with torch.no_grad():

@@ -28,7 +28,7 @@ from mogo_diffusion.checkpoint import CheckpointError, load_checkpoint, save_che
 from mogo_diffusion.config import Config, ConfigError, load_config
 from mogo_diffusion.nft import kl_loss, nft_loss
 from mogo_diffusion.streams import stream_seed
-from mogo_diffusion.train import Trainer, check_config, main
+from mogo_diffusion.train import MicroBatch, Trainer, check_config, main
 from tests.diffusion import train_worker
 from tests.diffusion.test_checkpoint import assert_same
 from tests.launch import accelerate_launch, launch
@@ -137,6 +137,34 @@ def grads_of(loss: torch.Tensor, params) -> torch.Tensor:
     return flat(torch.autograd.grad(loss, params, retain_graph=True))
 
 
+@pytest.mark.parametrize("strategy", ["weighted_sum", "single"])
+def test_a_step_of_several_micro_batches_is_the_mean_of_their_gradients(tiny_dir, tmp_path, strategy):
+    trainer = Trainer(config(tiny_dir, tmp_path, strategy))
+    batch, advantages, _, timesteps, noise = one_step(trainer)
+    parts = [MicroBatch(rows, advantages[rows], timesteps, noise[:, : len(rows)]) for rows in
+             (torch.tensor([2, 0]), torch.tensor([3, 1]))]  # fmt: skip
+    alone = []
+    for part in parts:
+        trainer.gradients(batch, [part])
+        alone.append(flat(p.grad for p in trainer.params))
+    trainer.gradients(batch, parts)
+    together = flat(p.grad for p in trainer.params)
+    # the same float32 terms, halved and summed in another order: a few eps32 of the largest
+    scale = max(g.abs().max() for g in alone)
+    torch.testing.assert_close(together, (alone[0] + alone[1]) / 2, rtol=0, atol=8 * 2**-23 * scale)
+    with pytest.raises(ValueError, match="at least one micro-batch"):
+        trainer.gradients(batch, [])
+
+
+def test_steps_per_epoch_accumulates_the_epochs_batches_into_that_many_steps(tiny_dir, tmp_path):
+    trainer = Trainer(config(tiny_dir, tmp_path, "weighted_sum", batch_size=1, steps_per_epoch=2))
+    trainer.train_epoch(0)
+    steps = {int(state["step"]) for state in trainer.optimizer.state_dict()["state"].values()}
+    assert steps == {2}  # 4 batches of one sample, 2 steps
+    with pytest.raises(ConfigError, match=r"train\.steps_per_epoch: 5 steps, but each process trains 4"):
+        Trainer(config(tiny_dir, tmp_path / "b", "weighted_sum", batch_size=1, steps_per_epoch=5))
+
+
 @pytest.mark.parametrize("strategy", ["weighted_sum", "single", "sequential"])
 def test_a_one_advantage_step_is_the_gradient_of_its_nft_loss_then_adamw(tiny_dir, tmp_path, strategy):
     trainer = Trainer(config(tiny_dir, tmp_path, strategy, grad_clip=0.05))
@@ -154,7 +182,7 @@ def test_a_one_advantage_step_is_the_gradient_of_its_nft_loss_then_adamw(tiny_di
         loss = nft_loss(v, v_old, x_t, x0, t, expected_adv[index], beta=0.1) + kl_loss(v, v_ref, kl_coef=1e-4)
         expected = expected + grads_of(loss, trainer.params)
     before = [p.detach().clone() for p in trainer.params]
-    kl = trainer.gradients(batch, index, advantages[index], timesteps, noise)
+    kl = trainer.gradients(batch, [MicroBatch(index, advantages[index], timesteps, noise)])
     assert kl.dtype == torch.float64
     assert kl > 0
     # float32 sums of the same terms in another order: n * eps32 of the largest, n the terms per entry
@@ -193,7 +221,7 @@ def test_the_marble_gradient_is_the_weighted_sum_of_the_per_reward_gradients(tin
         advantages, per_reward_advantages(batch.rewards, batch.prompts)[batch.local], rtol=0, atol=0
     )
     expected = marble_gradient(trainer, batch, advantages[index], index, timesteps[0], noise[0])
-    trainer.gradients(batch, index, advantages[index], timesteps, noise)
+    trainer.gradients(batch, [MicroBatch(index, advantages[index], timesteps, noise)])
     # float32 gradients summed in another order, the float64 weights rounded to float32
     tolerance = 64 * torch.finfo(torch.float32).eps * float(expected.abs().max())
     torch.testing.assert_close(flat(p.grad for p in trainer.params), expected, rtol=0, atol=tolerance)
@@ -212,7 +240,7 @@ def test_a_registered_weighting_reaches_the_trainer_by_name(tiny_dir, tmp_path):
         adv = advantages[index]
         total = sum(2.0 * nft_loss(v, v_old, x_t, x0, t, adv[:, k], beta=0.1) for k in range(3))
         expected = grads_of(total + kl_loss(v, v_ref, kl_coef=1e-4), trainer.params)
-        trainer.gradients(batch, index, adv, timesteps, noise)
+        trainer.gradients(batch, [MicroBatch(index, adv, timesteps, noise)])
         tolerance = 64 * torch.finfo(torch.float32).eps * float(expected.abs().max())
         torch.testing.assert_close(flat(p.grad for p in trainer.params), expected, rtol=0, atol=tolerance)
         data["strategy"]["options"] = {"colour": 1}
@@ -243,7 +271,7 @@ def test_a_gradient_scaler_changes_no_gradient_and_no_update(tiny_dir, tmp_path,
     for scaler in (None, torch.amp.GradScaler("cpu", init_scale=2.0**12)):
         trainer = Trainer(config(tiny_dir, tmp_path, strategy, grad_clip=0.05), scaler=scaler)
         batch, advantages, index, timesteps, noise = one_step(trainer)
-        trainer.gradients(batch, index, advantages[index], timesteps, noise)
+        trainer.gradients(batch, [MicroBatch(index, advantages[index], timesteps, noise)])
         grads = flat(p.grad for p in trainer.params)
         trainer.update()
         runs.append((grads, flat(trainer.params).detach()))
@@ -265,13 +293,13 @@ def test_an_overflowing_step_is_skipped_and_lowers_the_scale(tiny_dir, tmp_path,
     batch, advantages, index, timesteps, noise = one_step(trainer)
     before = flat(trainer.params).detach().clone()
     hook = trainer.params[0].register_hook(lambda grad: grad * float("inf"))  # an overflow, injected
-    trainer.gradients(batch, index, advantages[index], timesteps, noise)
+    trainer.gradients(batch, [MicroBatch(index, advantages[index], timesteps, noise)])
     trainer.update()
     hook.remove()
     assert torch.equal(flat(trainer.params), before)
     assert not trainer.optimizer.state  # AdamW never stepped (its state is forwarded by mogo's)
     assert scaler.get_scale() == 2.0**9
-    trainer.gradients(batch, index, advantages[index], timesteps, noise)
+    trainer.gradients(batch, [MicroBatch(index, advantages[index], timesteps, noise)])
     trainer.update()
     assert not torch.equal(flat(trainer.params), before)
     assert torch.isfinite(flat(trainer.params)).all()
@@ -307,7 +335,7 @@ def test_bf16_autocast_trains_on_the_cpu_and_auto_means_no_there(tiny_dir, tmp_p
     assert losses.dtype == torch.float32
     assert losses.shape == (3,)
     before = flat(trainer.params).detach().clone()
-    trainer.gradients(batch, index, advantages[index], timesteps, noise)
+    trainer.gradients(batch, [MicroBatch(index, advantages[index], timesteps, noise)])
     assert all(p.grad.dtype == torch.float32 and torch.isfinite(p.grad).all() for p in trainer.params)
     trainer.update()
     assert not torch.equal(flat(trainer.params), before)
