@@ -40,6 +40,7 @@ from __future__ import annotations
 
 import argparse
 import json
+import math
 import statistics
 import sys
 import time
@@ -57,7 +58,18 @@ from mogo_diffusion.config import Config
 from mogo_diffusion.evaluate import composite_zscores, read_metrics
 from mogo_diffusion.shapes.recipe import REWARDS
 
-__all__ = ["ARMS", "MARBLE", "REFERENCE", "REWARD_SETS", "analyse", "claims", "main", "plan"]
+__all__ = [
+    "ARMS",
+    "MARBLE",
+    "REFERENCE",
+    "REWARD_SETS",
+    "SPECIALIST_FLOOR",
+    "analyse",
+    "claims",
+    "main",
+    "plan",
+    "specialist_gains",
+]
 
 REWARD_SETS: dict[str, tuple[str, ...]] = {
     "prompt_following": ("shapes_color", "shapes_shape", "clipscore", "shapes_position", "shapes_count"),
@@ -73,6 +85,9 @@ MARBLE = "marble_n10"
 
 REFERENCE = "weighted_sum"
 """The arm every difference is paired against, the weighted sum of the rewards."""
+
+SPECIALIST_FLOOR = 0.02
+"""The smallest seed std a specialist's gain is judged against (the issue's bar: 3 x max(std, 0.02))."""
 
 HARMONIZED_TOLERANCE = 1e-6
 """A harmonized direction opposes a reward when its cosine is below this (round-off of the Gram)."""
@@ -164,8 +179,26 @@ def analyse(
             },
         }
     summary = {"rewards": list(names), "seeds": seeds, "base": base_means, "arms": rows}
+    summary["specialists"] = specialist_gains(summary)
     summary["claims"] = claims(summary, histories)
     return summary
+
+
+def specialist_gains(summary: Mapping[str, Any]) -> dict[str, dict[str, Any]]:
+    """Whether RL works, reward by reward: each trained specialist's own held-out reward against the
+    pretrained model's, ``gain = mean_s m_s - base``, and the bar it must clear,
+    ``3 max(std_s m_s, SPECIALIST_FLOOR)`` (sample std over seeds)."""
+    gains = {}
+    for i, name in enumerate(summary["rewards"]):
+        row = summary["arms"].get(f"single:{name}")
+        if row is None:
+            continue
+        values = row["means"][name]
+        std = statistics.stdev(values) if len(values) > 1 else math.nan
+        gain, bar = statistics.fmean(values) - summary["base"][i], 3 * max(std, SPECIALIST_FLOOR)
+        gains[name] = {"base": summary["base"][i], "mean": statistics.fmean(values), "std": std,
+                       "gain": gain, "bar": bar, "clears": bool(gain >= bar)}  # fmt: skip
+    return gains
 
 
 def _interval(values: Sequence[float], reference: Sequence[float] | float, arm: str | None) -> list[float]:
@@ -270,6 +303,20 @@ def _markdown(results: Mapping[str, Any]) -> str:
                 f"{statistics.fmean(row['composite']):+.2f} ({_signed(row['vs_reference']['composite'])})"
             )
             lines.append(f"| {arm} | " + " | ".join([*cells, composite]) + " |")
+        if summary["specialists"]:
+            lines += [
+                "",
+                f"Specialists, own reward: gain over the pretrained model against 3 x max(seed std, "
+                f"{SPECIALIST_FLOOR}).",
+                "",
+                "| reward | base | specialist | std | gain | bar | clears |",
+                "|---|---|---|---|---|---|---|",
+            ]
+            for reward, g in summary["specialists"].items():
+                lines.append(
+                    f"| {reward} | {g['base']:.3f} | {g['mean']:.3f} | {g['std']:.3f} | {g['gain']:+.3f} | "
+                    f"{g['bar']:.3f} | {'yes' if g['clears'] else 'no'} |"
+                )
         lines += ["", "| claim | verdict | numbers |", "|---|---|---|"]
         for key, claim in summary["claims"].items():
             lines.append(f"| ({key}) | {claim['verdict']} | {_numbers(claim['numbers'])} |")

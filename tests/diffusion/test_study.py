@@ -3,6 +3,7 @@
 from __future__ import annotations
 
 import json
+import statistics
 
 import pytest
 
@@ -51,6 +52,17 @@ def test_a_marble_better_on_every_reward_reproduces_every_claim():
     assert low == pytest.approx(0.06)  # the seed effect is shared, so pairing removes it entirely
     assert high == pytest.approx(0.06)
     assert summary["arms"]["weighted_sum"]["vs_reference"]["composite"] == [0.0, 0.0, 0.0]
+
+
+def test_a_specialist_clears_its_bar_when_its_gain_is_three_seed_stds_or_three_floors():
+    gains = study.analyse(NAMES, BASE, histories([0.56, 0.70]))["specialists"]
+    # r1 gains 0.02 + mean(SHARED) = 0.021 with the shared seed effect's std (0.0167): bar 3 x 0.02
+    assert gains["r1"]["gain"] == pytest.approx(0.021)
+    assert gains["r1"]["std"] == pytest.approx(statistics.stdev(SHARED))
+    assert gains["r1"]["bar"] == pytest.approx(0.06)
+    assert not gains["r1"]["clears"]
+    assert gains["r2"]["gain"] == pytest.approx(0.301)  # r2 gains 0.30, above 0.06
+    assert gains["r2"]["clears"]
 
 
 def test_what_marble_loses_is_not_reproduced_and_noise_is_undecided():
