@@ -32,8 +32,9 @@ arms' seed-averaged means, the pretrained model included). Each of the paper's c
 (e) amortized MARBLE trains at >= 0.97x the weighted sum's throughput: the interval of the ratio
     of median epoch times, paired by seed, above 0.97.
 
-``OUT`` gets ``results.json``, ``results.md`` and ``composite.png`` (the composite differences
-with their intervals).
+``OUT`` gets ``results.json``, ``results.md``, ``composite.png`` (the composite differences
+with their intervals) and ``curves.png`` (each reward's held-out mean over the epochs for its
+specialist, the weighted sum and MARBLE).
 """
 
 from __future__ import annotations
@@ -364,6 +365,47 @@ def _figure(results: Mapping[str, Any], path: Path) -> None:
     plt.close(figure)
 
 
+def _curves(
+    names: Sequence[str],
+    base: Mapping[str, float],
+    histories: Mapping[str, Mapping[int, Sequence[Mapping[str, Any]]]],
+    path: Path,
+) -> None:
+    """One panel per reward: its held-out mean at every evaluation, for each seed of its specialist
+    (thin) and averaged over seeds for the specialist, :data:`REFERENCE` and :data:`MARBLE`, with
+    the pretrained model's value dashed."""
+    import matplotlib
+
+    matplotlib.use("Agg")
+    import matplotlib.pyplot as plt
+
+    figure, axes = plt.subplots(1, len(names), figsize=(3.1 * len(names), 3.0), squeeze=False)
+    styles = {"specialist": "tab:blue", REFERENCE: "tab:gray", MARBLE: "tab:red"}
+    for axis, name in zip(axes[0], names, strict=True):
+        key = f"eval/{name}"
+        for label, arm in (("specialist", f"single:{name}"), (REFERENCE, REFERENCE), (MARBLE, MARBLE)):
+            runs = histories.get(arm, {})
+            curves = [[(r["epoch"] + 1, r[key]) for r in h if key in r] for h in runs.values()]
+            curves = [c for c in curves if c]
+            if not curves:
+                continue
+            if label == "specialist":
+                for curve in curves:
+                    axis.plot(*zip(*curve, strict=True), color=styles[label], alpha=0.25, linewidth=0.8)
+            length = min(len(c) for c in curves)
+            epochs = [epoch for epoch, _ in curves[0][:length]]
+            mean = [statistics.fmean(c[i][1] for c in curves) for i in range(length)]
+            axis.plot(epochs, mean, color=styles[label], marker="o", markersize=3, label=label)
+        axis.axhline(base[key], color="black", linestyle="--", linewidth=0.8, label="pretrained")
+        axis.set_title(name, fontsize=9)
+        axis.set_xlabel("epoch", fontsize=8)
+    axes[0][0].set_ylabel("held-out mean", fontsize=8)
+    axes[0][-1].legend(fontsize=7)
+    figure.tight_layout()
+    figure.savefig(path, dpi=120)
+    plt.close(figure)
+
+
 def _parser() -> argparse.ArgumentParser:
     parser = argparse.ArgumentParser(
         prog="python -m mogo_diffusion.study",
@@ -410,6 +452,7 @@ def main(argv: list[str] | None = None) -> dict:
     base = compare.run_all(runs, args.out / "runs" / "base" / "eval.json", jobs=args.jobs)
     seeds = range(args.seeds)
     results: dict[str, Any] = {"sets": {}}
+    curves: dict[str, Any] = {}
     for name in sets:
         trained = {arm for group, arm, _ in runs if group == "specialists"}
         order = [
@@ -426,6 +469,7 @@ def main(argv: list[str] | None = None) -> dict:
             for arm in order
         }
         results["sets"][name] = analyse(REWARD_SETS[name], base, histories)
+        curves[name] = histories
     results["command"] = "python -m mogo_diffusion.study " + " ".join(
         argv if argv is not None else sys.argv[1:]
     )
@@ -434,6 +478,8 @@ def main(argv: list[str] | None = None) -> dict:
     (args.out / "results.json").write_text(json.dumps(results, indent=1) + "\n")
     (args.out / "results.md").write_text(_markdown(results))
     _figure(results, args.out / "composite.png")
+    widest = max(sets, key=lambda name: len(REWARD_SETS[name]))
+    _curves(REWARD_SETS[widest], base, curves[widest], args.out / "curves.png")
     tqdm.write(_markdown(results))
     return results
 
