@@ -98,7 +98,7 @@ WEIGHTING_ARMS = ("upgrad", "cagrad")
 
 
 EPOCHS = 30
-"""Epochs per run of the comparison and the study: the default run's (30 optimizer steps of 64 images)."""
+"""Epochs per run of the comparison and the study, the default run's (30 optimizer steps of 64 images)."""
 
 EVALUATIONS = 3
 """Evaluations per run (the last one is the result), so that each run has a learning curve."""

@@ -88,7 +88,7 @@ REFERENCE = "weighted_sum"
 """The arm every difference is paired against, the weighted sum of the rewards."""
 
 SPECIALIST_FLOOR = 0.02
-"""The smallest seed std a specialist's gain is judged against (the issue's bar: 3 x max(std, 0.02))."""
+"""The smallest seed std a specialist's gain is judged against (the issue's bar is 3 x max(std, 0.02))."""
 
 HARMONIZED_TOLERANCE = 1e-6
 """A harmonized direction opposes a reward when its cosine is below this (round-off of the Gram)."""
