@@ -61,7 +61,16 @@ from mogo_diffusion.sampling import Samples, decode, sample
 from mogo_diffusion.strategies import Strategy, make_strategy
 from mogo_diffusion.streams import stream_seed
 
-__all__ = ["DEFAULT_PROMPTS", "EVAL_SEED", "SAMPLES_SHOWN", "Batch", "Trainer", "check_config", "main"]
+__all__ = [
+    "DEFAULT_PROMPTS",
+    "EVAL_SEED",
+    "SAMPLES_SHOWN",
+    "Batch",
+    "MicroBatch",
+    "Trainer",
+    "check_config",
+    "main",
+]
 
 DEFAULT_PROMPTS = tuple(
     f"a {color} {shape} on a {background} background"

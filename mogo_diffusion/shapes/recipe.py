@@ -61,7 +61,7 @@ LORA_TARGETS: tuple[str, ...] = (
     "to_q", "to_k", "to_v", "to_out.0", "add_q_proj", "add_k_proj", "add_v_proj", "to_add_out",
     "ff.net.0.proj", "ff.net.2", "ff_context.net.0.proj", "ff_context.net.2", "norm1.linear", "proj_out",
 )  # fmt: skip
-"""Every linear layer of the shapes transformer but the embedders: attention, MLPs, adaLN, output."""
+"""Every linear layer of the shapes transformer but the embedders (attention, MLPs, adaLN, output)."""
 
 POOL_COUNTS: dict[str, int] = {
     "position": 8, "counting": 8, "colors": 4, "color_attr": 4, "two_object": 4, "single_object": 4,
