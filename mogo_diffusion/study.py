@@ -32,9 +32,9 @@ arms' seed-averaged means, the pretrained model included). Each of the paper's c
 (e) amortized MARBLE trains at >= 0.97x the weighted sum's throughput: the interval of the ratio
     of median epoch times, paired by seed, above 0.97.
 
-``OUT`` gets ``results.json``, ``results.md``, ``composite.png`` (the composite differences
-with their intervals) and ``curves.png`` (each reward's held-out mean over the epochs for its
-specialist, the weighted sum and MARBLE).
+``OUT`` gets ``results.json``, ``results.md`` and ``results.rst`` (the same tables, for the
+docs), ``composite.png`` (the composite differences with their intervals) and ``curves.png`` (each
+reward's held-out mean over the epochs for its specialist, the weighted sum and MARBLE).
 """
 
 from __future__ import annotations
@@ -286,43 +286,61 @@ def _spearman(x: Sequence[float], y: Sequence[float]) -> float:
     return float(spearmanr(x, y).statistic)
 
 
+def _tables(summary: Mapping[str, Any]) -> list[tuple[str, list[list[str]]]]:
+    """One reward set's tables, each ``(caption, rows)`` with the header row first: every arm's
+    held-out means with the paired difference to :data:`REFERENCE`, the specialists' gains against
+    their bar, the claims."""
+    names = summary["rewards"]
+    arms = [["arm", *names, "composite"], ["base", *(f"{v:.3f}" for v in summary["base"]), ""]]
+    for arm, row in summary["arms"].items():
+        cells = [
+            f"{statistics.fmean(row['means'][n]):.3f} ({_signed(row['vs_reference'][n])})" for n in names
+        ]
+        composite = f"{statistics.fmean(row['composite']):+.2f} ({_signed(row['vs_reference']['composite'])})"
+        arms.append([arm, *cells, composite])
+    tables = [(f"Seeds {summary['seeds']}: the mean over seeds, then the mean difference to {REFERENCE} "
+               "paired by seed with its 95 % bootstrap interval.", arms)]  # fmt: skip
+    if summary["specialists"]:
+        gains = [["reward", "base", "specialist", "seed std", "gain", "bar", "clears"]]
+        for reward, g in summary["specialists"].items():
+            numbers = (g["base"], g["mean"], g["std"])
+            cells = [*(f"{v:.3f}" for v in numbers), f"{g['gain']:+.3f}", f"{g['bar']:.3f}"]
+            gains.append([reward, *cells, "yes" if g["clears"] else "no"])
+        caption = (
+            "Each specialist's own reward: its gain over the pretrained model against "
+            f"3 x max(seed std, {SPECIALIST_FLOOR})."
+        )
+        tables.append((caption, gains))
+    claimed = [["claim", "verdict", "numbers"]]
+    claimed += [
+        [f"({key})", claim["verdict"], _numbers(claim["numbers"])] for key, claim in summary["claims"].items()
+    ]
+    tables.append(("The paper's claims.", claimed))
+    return tables
+
+
 def _markdown(results: Mapping[str, Any]) -> str:
-    """The study's tables: per set, each arm's held-out means with the paired difference to the
-    weighted sum, then the claims."""
+    """The study's tables (:func:`_tables` of every set) as markdown."""
     lines = [f"Command: `{results['command']}`", ""]
     for name, summary in results["sets"].items():
-        names = summary["rewards"]
-        lines += [f"## {name}", "", f"Seeds {summary['seeds']}; mean over seeds, then the mean difference "
-                  f"to {REFERENCE} paired by seed with its 95 % bootstrap interval.", ""]  # fmt: skip
-        lines += ["| arm | " + " | ".join([*names, "composite"]) + " |", "|---" * (len(names) + 2) + "|"]
-        lines.append("| base | " + " | ".join(f"{v:.3f}" for v in summary["base"]) + " | |")
-        for arm, row in summary["arms"].items():
-            cells = [
-                f"{statistics.fmean(row['means'][n]):.3f} ({_signed(row['vs_reference'][n])})" for n in names
-            ]
-            composite = (
-                f"{statistics.fmean(row['composite']):+.2f} ({_signed(row['vs_reference']['composite'])})"
-            )
-            lines.append(f"| {arm} | " + " | ".join([*cells, composite]) + " |")
-        if summary["specialists"]:
-            lines += [
-                "",
-                f"Specialists, own reward: gain over the pretrained model against 3 x max(seed std, "
-                f"{SPECIALIST_FLOOR}).",
-                "",
-                "| reward | base | specialist | std | gain | bar | clears |",
-                "|---|---|---|---|---|---|---|",
-            ]
-            for reward, g in summary["specialists"].items():
-                lines.append(
-                    f"| {reward} | {g['base']:.3f} | {g['mean']:.3f} | {g['std']:.3f} | {g['gain']:+.3f} | "
-                    f"{g['bar']:.3f} | {'yes' if g['clears'] else 'no'} |"
-                )
-        lines += ["", "| claim | verdict | numbers |", "|---|---|---|"]
-        for key, claim in summary["claims"].items():
-            lines.append(f"| ({key}) | {claim['verdict']} | {_numbers(claim['numbers'])} |")
-        lines.append("")
+        lines += [f"## {name}", ""]
+        for caption, rows in _tables(summary):
+            lines += [caption, "", "| " + " | ".join(rows[0]) + " |", "|---" * len(rows[0]) + "|"]
+            lines += ["| " + " | ".join(row) + " |" for row in rows[1:]] + [""]
     return "\n".join(lines)
+
+
+def _rst(results: Mapping[str, Any]) -> str:
+    """The study's tables as reStructuredText list-tables, for the docs."""
+    blocks = [f"Command: ``{results['command']}``"]
+    for name, summary in results["sets"].items():
+        blocks.append(f"**{name}**")
+        for caption, rows in _tables(summary):
+            lines = [".. list-table:: " + caption, "   :header-rows: 1", ""]
+            for row in rows:
+                lines += [f"   * - {row[0]}", *(f"     - {cell or ' '}" for cell in row[1:])]
+            blocks.append("\n".join(lines))
+    return "\n\n".join(blocks) + "\n"
 
 
 def _signed(interval: Sequence[float]) -> str:
@@ -477,6 +495,7 @@ def main(argv: list[str] | None = None) -> dict:
     args.out.mkdir(parents=True, exist_ok=True)
     (args.out / "results.json").write_text(json.dumps(results, indent=1) + "\n")
     (args.out / "results.md").write_text(_markdown(results))
+    (args.out / "results.rst").write_text(_rst(results))
     _figure(results, args.out / "composite.png")
     widest = max(sets, key=lambda name: len(REWARD_SETS[name]))
     _curves(REWARD_SETS[widest], base, curves[widest], args.out / "curves.png")

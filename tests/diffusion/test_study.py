@@ -108,6 +108,7 @@ def test_the_quick_study_runs_resumes_and_writes_its_results(tmp_path):
                for claim in summary["claims"].values())  # fmt: skip
     assert json.loads((tmp_path / "results.json").read_text())["sets"].keys() == {"prompt_following"}
     assert "| (a) |" in (tmp_path / "results.md").read_text()
+    assert ".. list-table:: The paper's claims." in (tmp_path / "results.rst").read_text()
     assert (tmp_path / "composite.png").stat().st_size > 10_000
     assert (tmp_path / "curves.png").stat().st_size > 10_000
     metrics = tmp_path / "runs" / "prompt_following" / "marble_n10" / "seed1" / "metrics.jsonl"
