@@ -353,7 +353,7 @@ def evaluate_run(
     assert eval_prompts is not None  # set above
     with _sampling_progress(trainer, len(eval_prompts.prompts)):
         if base:
-            images = trainer.base_samples(len(eval_prompts.prompts))
+            images = trainer.base_samples(range(len(eval_prompts.prompts)))
             scores = _means(trainer.rewards(images, *eval_prompts).values, trainer.names)
             diagnostics = trainer.rewards.diagnostics(images)
         else:

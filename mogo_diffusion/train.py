@@ -16,8 +16,8 @@ uninterrupted run does.
 Every ``train.eval_every`` epochs (and after the last) the evaluation EMA samples
 ``sampling.eval_prompts`` with fixed noise, the same in every run, and the rewards' means are
 logged as ``eval/{name}``. The run directory gets ``config.yaml``, ``metrics.jsonl``,
-``checkpoints/``, and at the end ``samples.png`` (the pretrained and the trained model's images of the
-first :data:`SAMPLES_SHOWN` evaluation prompts, side by side, same noise) and ``curves.png``. An
+``checkpoints/``, and at the end ``samples.png`` (the pretrained and the trained model's images of
+:data:`SAMPLES_SHOWN` distinct evaluation prompts, side by side, same noise) and ``curves.png``. An
 evaluation also logs the rewards' batch diagnostics as ``diagnostic/{name}`` (the shapes world's
 ``distinct_scenes``: how many different scenes the detector reads, a guard against collapse).
 """
@@ -80,7 +80,8 @@ DEFAULT_PROMPTS = tuple(
 )
 DTYPES = {"float32": torch.float32, "float16": torch.float16, "bfloat16": torch.bfloat16}
 SAMPLES_SHOWN = 16
-"""Evaluation prompts whose base and trained images ``samples.png`` shows side by side."""
+"""Distinct evaluation prompts whose base and trained images ``samples.png`` shows side by side
+(the first evaluation row of each, in order)."""
 EVAL_SEED = 20_240_601
 """The seed of the evaluation noise, the same for every run and seed, so that runs compare sample
 by sample."""
@@ -385,10 +386,11 @@ class Trainer:
             self._eval_cache = (embeds, pooled, noise)
         return self._eval_cache
 
-    def base_samples(self, count: int) -> torch.Tensor:
-        """The pretrained model's images (adapters disabled) of the first ``count`` evaluation
-        prompts, from the noise :meth:`evaluate` gives them: what its images are compared with."""
-        embeds, pooled, noise = (part[:count] for part in self._eval_inputs())
+    def base_samples(self, rows: Sequence[int]) -> torch.Tensor:
+        """The pretrained model's images (adapters disabled) of the evaluation rows ``rows``, from
+        the noise :meth:`evaluate` gives them: what its images are compared with."""
+        index = torch.as_tensor(list(rows), dtype=torch.long)
+        embeds, pooled, noise = (part[index.to(part.device)] for part in self._eval_inputs())
         with models.reference(self.transformer):
             _, images = self._sample(embeds, pooled, noise, self.config.sampling.eval_num_steps)
         return images
@@ -704,11 +706,11 @@ class Trainer:
             tracker.finish()
         if main and history:
             if self.eval_images is not None:
-                count = min(SAMPLES_SHOWN, len(self.eval_images))
-                prompts = self.eval_prompts.prompts[:count]
-                save_comparison(
-                    self.base_samples(count), self.eval_images[:count], prompts, self.out / "samples.png"
-                )
+                first = {p: i for i, p in reversed(list(enumerate(self.eval_prompts.prompts)))}
+                rows = sorted(first.values())[:SAMPLES_SHOWN]
+                prompts = [self.eval_prompts.prompts[i] for i in rows]
+                trained = self.eval_images[torch.tensor(rows)]
+                save_comparison(self.base_samples(rows), trained, prompts, self.out / "samples.png")
             plot_run(self.out)
         self.accelerator.wait_for_everyone()
         return history

@@ -503,6 +503,10 @@ def test_shapes_prompts_reach_the_rewards_and_the_evaluation_uses_the_eval_ema(t
     trainer = Trainer(Config.from_dict(data))
     initial = [p.clone() for p in trainer.eval_ema]
     before = trainer.evaluate()  # shapes rewards raise without the prompts' metadata
+    # the initial adapter is zero: the base images are the evaluation's, bit for bit in the same
+    # batches; rows [3, 0] alone change only the order of float32 sums (~1e3 ulps of [0, 1] at most)
+    assert torch.equal(trainer.base_samples(range(4)), trainer.eval_images)
+    torch.testing.assert_close(trainer.base_samples([3, 0]), trainer.eval_images[[3, 0]], rtol=0, atol=1e-4)
     history = trainer.train()
     for record in history:
         assert 0 <= record["eval/shapes_color"] <= 1
