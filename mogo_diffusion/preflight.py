@@ -93,6 +93,7 @@ _REWARD_FILES: dict[str, dict[str, str]] = {
     "hpsv21": {"model": "hps", "base": "processor"},
     "aesthetic": {"predictor": "file", "model": "model"},
     "geneval": {"detector": "model"},
+    "imagereward": {"model": "imagereward", "tokenizer": "tokenizer"},
 }
 _EXTRA_OF_REWARD = {"ocr": "ocr"}
 _SUGGESTED = {("geneval", "detector"): "facebook/detr-resnet-50"}  # an option without a default
@@ -189,29 +190,46 @@ def _check_reference(where: str, kind: str, ref: str, default: Any, suggested: s
     """A problem line if the weights ``ref`` (an option of kind ``kind``) are not available; the
     command fetches ``default`` (a hub id) or, as an example, ``suggested``."""
     from mogo_diffusion.rewards.hps import HPS_FILE
+    from mogo_diffusion.rewards.imagereward import IMAGEREWARD_FILE
 
+    checkpoints = {"hps": HPS_FILE, "imagereward": IMAGEREWARD_FILE}  # one file of a hub repository
     source = default if isinstance(default, str) and HUB_ID.fullmatch(default) else None
-    args = {"processor": ' --include "*.json" "*.txt"', "hps": f" {HPS_FILE}"}.get(kind, "")
+    files = ' --include "*.json" "*.txt"'
+    args = ({"processor": files, "tokenizer": files} | {k: f" {n}" for k, n in checkpoints.items()}).get(
+        kind, ""
+    )
     if _is_local(ref):
         path = Path(ref).expanduser()
-        if kind == "hps" and (path.is_dir() or path.suffix not in (".pt", ".safetensors")):
-            path = path / HPS_FILE  # a directory (to be) holding the checkpoint
-        if kind == "model":
+        converted = kind == "imagereward" and (path / "config.json").is_file() and _has_weights(path)
+        if (
+            kind in checkpoints
+            and not converted
+            and (path.is_dir() or path.suffix not in (".pt", ".safetensors"))
+        ):
+            path = path / checkpoints[kind]  # a directory (to be) holding the checkpoint
+        if kind == "model" or converted:
             present = (path / "config.json").is_file() and _has_weights(path)
         elif kind == "processor":
             present = path.is_dir() and any(path.glob("*.json"))
+        elif kind == "tokenizer":
+            present = (path / "tokenizer_config.json").is_file()
         else:
             present = path.is_file()
         if present:
             return None
-        local = str(path.parent if kind == "hps" else path)
+        local = str(path.parent if kind in checkpoints else path)
         how = f": {_download(source, local, args)}" if source else ""
         if suggested and not how:
             how = f": a transformers model, e.g. {_download(suggested, local, args)}"
         if kind == "file" and not how:
             how = f" (see docs/rewards.rst for where {path.name} is published)"
         return f"{where}: {str(path)!r} not found{how}"
-    probe = {"model": "config.json", "processor": "preprocessor_config.json", "hps": HPS_FILE}.get(kind)
+    probes = {
+        "model": "config.json",
+        "processor": "preprocessor_config.json",
+        "tokenizer": "tokenizer_config.json",
+    }
+    probe = {**probes, **checkpoints}.get(kind)
     if probe is None:
         return f"{where}: {ref!r} must be a local file"
     cached = _cached(ref, probe)

@@ -142,6 +142,7 @@ def test_check_names_every_missing_file_and_its_download_command(tmp_path, capsy
             "options": {"model": str(models_dir / "HPSv2"), "base": str(models_dir / "CLIP-H")},
         },
         {"name": "clipscore"},
+        {"name": "imagereward", "options": {"model": str(models_dir / "ImageReward")}},
     ]
     (tmp_path / "sd35m").mkdir()  # empty: the config refuses a local directory that does not exist
     config = tiny_config(tmp_path, tmp_path / "sd35m", rewards=rewards)
@@ -165,6 +166,10 @@ def test_check_names_every_missing_file_and_its_download_command(tmp_path, capsy
         f"--local-dir {m}/CLIP-H",
         "problem: rewards.2.options.model: 'openai/clip-vit-large-patch14' is not in the hub cache: "
         "hf download openai/clip-vit-large-patch14",
+        f"problem: rewards.3.options.model: '{m}/ImageReward/ImageReward.pt' not found: "
+        f"hf download THUDM/ImageReward ImageReward.pt --local-dir {m}/ImageReward",
+        "problem: rewards.3.options.tokenizer: 'google-bert/bert-base-uncased' is not in the hub cache: "
+        'hf download google-bert/bert-base-uncased --include "*.json" "*.txt"',
         f"problem: sampling.prompts: prompt file '{tmp_path}/prompts.txt' not found",
     ]
 
@@ -246,3 +251,16 @@ def test_check_names_each_missing_pool_file_and_reads_the_others(tiny_dir, tmp_p
         f"sampling.prompts: entry 0 ('{general}'): prompt 1 ('a cat on a sofa') has no text to render "
         "(no quoted text, no metadata 'text')"
     ]
+
+
+def test_check_accepts_a_converted_imagereward_directory_and_its_tokenizer(tiny_dir, tmp_path, capsys):
+    from tests.diffusion.test_imagereward import tiny_imagereward
+
+    converted = tmp_path / "imagereward"
+    tiny_imagereward(converted)
+    tokenizer = tmp_path / "imagereward-original" / "bert"
+    rewards = [{"name": "imagereward", "options": {"model": str(converted), "tokenizer": str(tokenizer)}}]
+    with pytest.raises(SystemExit) as exit_:
+        main(["--config", str(tiny_config(tmp_path, tiny_dir, rewards=rewards)), "--check"])
+    assert exit_.value.code == 0
+    assert "problem" not in capsys.readouterr().out
