@@ -165,11 +165,13 @@ def _weighting_arm(arm: str) -> bool:
 
 
 def _finished(run: Path, epochs: int) -> bool:
+    """Whether ``run`` logged its last epoch: its ``metrics.jsonl`` is all the results need, so a
+    run copied as that file alone (the committed study) counts as finished."""
     try:
         records = read_metrics(run)
     except FileNotFoundError:
         return False
-    return bool(records) and records[-1]["epoch"] == epochs - 1 and (run / "curves.png").is_file()
+    return bool(records) and records[-1]["epoch"] == epochs - 1
 
 
 def _train(config: Config, run: Path) -> None:
