@@ -34,7 +34,8 @@ arms' seed-averaged means, the pretrained model included). Each of the paper's c
 
 ``OUT`` gets ``results.json``, ``results.md`` and ``results.rst`` (the same tables, for the
 docs), ``composite.png`` (the composite differences with their intervals) and ``curves.png`` (each
-reward's held-out mean over the epochs for its specialist, the weighted sum and MARBLE).
+reward's held-out mean for its specialist, the weighted sum and MARBLE, against epochs and against
+minutes of training).
 """
 
 from __future__ import annotations
@@ -389,39 +390,55 @@ def _curves(
     histories: Mapping[str, Mapping[int, Sequence[Mapping[str, Any]]]],
     path: Path,
 ) -> None:
-    """One panel per reward: its held-out mean at every evaluation, for each seed of its specialist
-    (thin) and averaged over seeds for the specialist, :data:`REFERENCE` and :data:`MARBLE`, with
-    the pretrained model's value dashed."""
+    """One column per reward: its held-out mean at every evaluation, for each seed of its
+    specialist (thin) and averaged over seeds for the specialist, :data:`REFERENCE` and
+    :data:`MARBLE`, with the pretrained model's value dashed; against epochs in the top row (the
+    recipe's epoch is one optimizer step), against the minutes of training (the epochs' summed
+    ``seconds`` of one thread, evaluation excluded) in the bottom row."""
     import matplotlib
 
     matplotlib.use("Agg")
     import matplotlib.pyplot as plt
 
-    figure, axes = plt.subplots(1, len(names), figsize=(3.1 * len(names), 3.0), squeeze=False)
+    figure, axes = plt.subplots(2, len(names), figsize=(3.1 * len(names), 5.6), squeeze=False)
     styles = {"specialist": "tab:blue", REFERENCE: "tab:gray", MARBLE: "tab:red"}
-    for axis, name in zip(axes[0], names, strict=True):
+    for column, name in enumerate(names):
         key = f"eval/{name}"
         for label, arm in (("specialist", f"single:{name}"), (REFERENCE, REFERENCE), (MARBLE, MARBLE)):
-            runs = histories.get(arm, {})
-            curves = [[(r["epoch"] + 1, r[key]) for r in h if key in r] for h in runs.values()]
-            curves = [c for c in curves if c]
+            curves = [c for c in (_curve(h, key, base[key]) for h in histories.get(arm, {}).values()) if c]
             if not curves:
                 continue
-            if label == "specialist":
-                for curve in curves:
-                    axis.plot(*zip(*curve, strict=True), color=styles[label], alpha=0.25, linewidth=0.8)
             length = min(len(c) for c in curves)
-            epochs = [epoch for epoch, _ in curves[0][:length]]
-            mean = [statistics.fmean(c[i][1] for c in curves) for i in range(length)]
-            axis.plot(epochs, mean, color=styles[label], marker="o", markersize=3, label=label)
-        axis.axhline(base[key], color="black", linestyle="--", linewidth=0.8, label="pretrained")
-        axis.set_title(name, fontsize=9)
-        axis.set_xlabel("epoch", fontsize=8)
-    axes[0][0].set_ylabel("held-out mean", fontsize=8)
+            for row, x in enumerate(("epoch", "minutes")):
+                axis = axes[row][column]
+                if label == "specialist":
+                    for curve in curves:
+                        xs, ys = [p[x] for p in curve], [p["value"] for p in curve]
+                        axis.plot(xs, ys, color=styles[label], alpha=0.25, linewidth=0.8)
+                xs = [statistics.fmean(c[i][x] for c in curves) for i in range(length)]
+                ys = [statistics.fmean(c[i]["value"] for c in curves) for i in range(length)]
+                axis.plot(xs, ys, color=styles[label], marker="o", markersize=3, label=label)
+        for axis, xlabel in zip(axes[:, column], ("epoch", "minutes of training (one thread)"), strict=True):
+            axis.axhline(base[key], color="black", linestyle="--", linewidth=0.8, label="pretrained")
+            axis.set_xlabel(xlabel, fontsize=8)
+        axes[0][column].set_title(name, fontsize=9)
+    for row in axes:
+        row[0].set_ylabel("held-out mean", fontsize=8)
     axes[0][-1].legend(fontsize=7)
     figure.tight_layout()
     figure.savefig(path, dpi=120)
     plt.close(figure)
+
+
+def _curve(history: Sequence[Mapping[str, Any]], key: str, start: float) -> list[dict[str, float]]:
+    """A run's evaluations of ``key``: the epochs done, the minutes of training until then and the
+    value, after the pretrained model's value ``start`` at 0; empty if the run logged none."""
+    points, seconds = [{"epoch": 0, "minutes": 0.0, "value": start}], 0.0
+    for record in history:
+        seconds += record.get("seconds", 0.0)
+        if key in record:
+            points.append({"epoch": record["epoch"] + 1, "minutes": seconds / 60, "value": record[key]})
+    return points if len(points) > 1 else []
 
 
 def _parser() -> argparse.ArgumentParser:

@@ -78,6 +78,21 @@ def test_what_marble_loses_is_not_reproduced_and_noise_is_undecided():
     assert study.analyse(NAMES, BASE, noisy)["claims"]["a"]["verdict"] == "undecided (CI spans 0)"
 
 
+def test_a_learning_curve_starts_at_the_pretrained_model_and_sums_the_training_seconds():
+    records = [
+        {"epoch": 0, "seconds": 30.0},
+        {"epoch": 1, "seconds": 42.0, "eval/r1": 0.7},
+        {"epoch": 2, "seconds": 18.0},
+    ]
+    records.append({"epoch": 3, "seconds": 30.0, "eval/r1": 0.9})
+    assert study._curve(records, "eval/r1", 0.5) == [
+        {"epoch": 0, "minutes": 0.0, "value": 0.5},
+        {"epoch": 2, "minutes": 1.2, "value": 0.7},
+        {"epoch": 4, "minutes": 2.0, "value": 0.9},
+    ]
+    assert study._curve(records, "eval/r2", 0.5) == []  # a reward this run never evaluated
+
+
 def test_the_plan_shares_specialists_between_the_sets_and_runs_ablations_on_the_first(tmp_path):
     runs = study.plan(tmp_path, arms=("weighted_sum", "marble_n10"), seeds=range(2))
     groups = {(group, arm) for group, arm, _ in runs}
