@@ -59,6 +59,7 @@ __all__ = [
     "WEIGHTING_ARMS",
     "arm_config",
     "arms",
+    "finished",
     "main",
     "summarize",
     "tables",
@@ -164,7 +165,7 @@ def _weighting_arm(arm: str) -> bool:
     return arm.endswith("_n10") and name in mogo.WEIGHTINGS and name != "weighted_sum"
 
 
-def _finished(run: Path, epochs: int) -> bool:
+def finished(run: Path, epochs: int) -> bool:
     """Whether ``run`` logged its last epoch: its ``metrics.jsonl`` is all the results need, so a
     run copied as that file alone (the committed study) counts as finished."""
     try:
@@ -210,7 +211,7 @@ def run_all(configs: Mapping[tuple, Config], base: Path, *, jobs: int) -> dict[s
     held-out means, evaluated once and cached at ``base``. Finished runs are not rerun, so an
     interrupted comparison continues where it stopped (an unfinished run starts over)."""
     means = _evaluate_base(next(iter(configs.values())), base)
-    todo = {key: c for key, c in configs.items() if not _finished(Path(c.train.out_dir), c.train.epochs)}
+    todo = {key: c for key, c in configs.items() if not finished(Path(c.train.out_dir), c.train.epochs)}
     with (
         ThreadPoolExecutor(max_workers=jobs) as pool,
         tqdm(total=len(configs), initial=len(configs) - len(todo), desc="runs") as bar,

@@ -458,6 +458,10 @@ def _parser() -> argparse.ArgumentParser:
         "--specialists", default=None, help="comma-separated rewards to train specialists for (default: all)"
     )
     parser.add_argument("--quick", action="store_true", help="a smoke run: tiny budget, not a result")
+    parser.add_argument(
+        "--no-train", action="store_true",
+        help="train nothing: the results of the seeds whose runs have all finished (a study in progress)",
+    )  # fmt: skip
     return parser
 
 
@@ -483,9 +487,19 @@ def main(argv: list[str] | None = None) -> dict:
         )  # fmt: skip
     except (ValueError, FileNotFoundError) as error:
         parser.error(str(error))
+    seeds = list(range(args.seeds))
+    if args.no_train:
+        unfinished = {
+            s for (_, _, s), c in runs.items() if not compare.finished(Path(c.train.out_dir), c.train.epochs)
+        }
+        seeds = [s for s in seeds if s not in unfinished]
+        if len(seeds) < 2:
+            parser.error(
+                f"--no-train needs two seeds whose runs have all finished in {args.out}; finished: {seeds}"
+            )
+        runs = {key: c for key, c in runs.items() if key[2] in seeds}
     started = time.perf_counter()
     base = compare.run_all(runs, args.out / "runs" / "base" / "eval.json", jobs=args.jobs)
-    seeds = range(args.seeds)
     results: dict[str, Any] = {"sets": {}}
     curves: dict[str, Any] = {}
     for name in sets:

@@ -134,6 +134,12 @@ def test_the_quick_study_runs_resumes_and_writes_its_results(tmp_path):
             shutil.rmtree(path) if path.is_dir() else path.unlink()
     study.main(argv)
     assert metrics.stat().st_mtime_ns == written  # finished runs are not rerun
+    # A study in progress: with a third seed planned, --no-train reports the two finished ones.
+    partial = study.main([*argv[:4], "3", *argv[5:], "--no-train"])
+    assert partial["sets"]["prompt_following"]["seeds"] == [0, 1]
+    assert not (metrics.parents[1] / "seed2").exists()
+    with pytest.raises(SystemExit):
+        study.main([*argv[:2], str(tmp_path / "empty"), *argv[3:], "--no-train"])
 
 
 def test_bad_arguments_are_named(tmp_path):
