@@ -251,13 +251,15 @@ def claims(summary: Mapping[str, Any], histories: Mapping[str, Mapping[int, Sequ
             rows[f"single:{n}"]["vs_base"][n][0] / max(spread, 1e-12)
             for n, spread in zip(names, spreads, strict=True)
         ]
-        correlations = [
-            _spearman([_mean_alpha(histories[MARBLE][s], n) for n in names], improvement) for s in seeds
-        ]
-        d = bootstrap_interval(correlations)
+        alphas = [[_mean_alpha(histories[MARBLE][s], n) for n in names] for s in seeds]
+        d = bootstrap_interval([_spearman(alpha, improvement) for alpha in alphas])
         result["d"] = {  # reproduced when the correlation is below 0: -rho above 0
             "verdict": _verdict([[-d.mean, -d.high, -d.low]]),
-            "numbers": {"rank_correlation": _as_list(d), "specialist_improvement_z": improvement},
+            "numbers": {
+                "rank_correlation": _as_list(d),
+                "mean_alpha": np.mean(alphas, axis=0).tolist(),
+                "specialist_improvement_z": improvement,
+            },
         }
     if REFERENCE in histories:
         ratios = [

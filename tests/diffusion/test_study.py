@@ -53,6 +53,7 @@ def test_a_marble_better_on_every_reward_reproduces_every_claim():
     assert low == pytest.approx(0.06)  # the seed effect is shared, so pairing removes it entirely
     assert high == pytest.approx(0.06)
     assert summary["arms"]["weighted_sum"]["vs_reference"]["composite"] == [0.0, 0.0, 0.0]
+    assert summary["claims"]["d"]["numbers"]["mean_alpha"] == pytest.approx([0.7, 0.3])
 
 
 def test_a_specialist_clears_its_bar_when_its_gain_is_three_seed_stds_or_three_floors():
