@@ -3,7 +3,8 @@
 For one reward of the shapes world (the ``single`` strategy), this samples ``--batches``
 independent batches from the pretrained model (``--prompts`` prompts x ``--group`` images each,
 each batch its own epoch's draws), computes each batch's whole NFT gradient at the zero adapter
-(every image at ``--timesteps`` of the sampler's grid), and prints the cosines between them.
+(every image at ``--timesteps`` of the sampler's grid), and prints the cosines between them, and
+how many prompt groups give the reward no advantage at all (:func:`ties`: every image scored alike).
 
 If one batch's gradient is ``g = mu + noise`` with per-sample signal-to-noise ``s``, the expected
 cosine of two independent ``n``-sample gradients is ``c = n s^2 / (1 + n s^2)``: near 0 when a
@@ -31,11 +32,15 @@ from mogo_diffusion.shapes.recipe import REWARDS, shapes_config
 from mogo_diffusion.train import MicroBatch, Trainer
 
 
-def batch_gradients(trainer: Trainer, batches: int, timesteps: int, first_epoch: int = 1000) -> np.ndarray:
-    """``[batches, P]`` gradients (float64) of independent batches at the trainer's current adapter."""
-    grads = []
+def batch_gradients(
+    trainer: Trainer, batches: int, timesteps: int, first_epoch: int = 1000
+) -> tuple[np.ndarray, np.ndarray]:
+    """``[batches, P]`` gradients (float64) of independent batches at the trainer's current adapter,
+    and the ``[batches * N, K]`` rewards of their images."""
+    grads, rewards = [], []
     for b in range(batches):
         batch = trainer.score(trainer.sample(first_epoch + b))
+        rewards.append(batch.rewards.double().numpy())
         advantages = trainer.advantages(batch, 0)[batch.local]
         grid = len(batch.timesteps)
         chosen = np.linspace(0, grid - 1, timesteps).round().astype(int).tolist()
@@ -44,7 +49,19 @@ def batch_gradients(trainer: Trainer, batches: int, timesteps: int, first_epoch:
         )
         trainer.gradients(batch, [MicroBatch(torch.arange(len(batch.latents)), advantages, chosen, noise)])
         grads.append(torch.cat([p.grad.reshape(-1) for p in trainer.params]).double().numpy().copy())
-    return np.stack(grads)
+    return np.stack(grads), np.concatenate(rewards)
+
+
+def ties(rewards: np.ndarray, group: int) -> dict[str, float]:
+    """How many of a reward's prompt groups can give an advantage: ``rewards`` ``(N,)`` in
+    consecutive groups of ``group`` images (one prompt each; NaN scores left out, groups of fewer
+    than two scores ignored). A group whose scores all tie gets advantage 0 throughout."""
+    groups = [g[~np.isnan(g)] for g in rewards.reshape(-1, group)]
+    groups = [g for g in groups if len(g) > 1]
+    return {
+        "distinct_per_group": float(np.mean([len(np.unique(g)) for g in groups])),
+        "tied_groups": float(np.mean([np.ptp(g) == 0 for g in groups])),
+    }
 
 
 def agreement(grads: np.ndarray) -> dict[str, float]:
@@ -85,7 +102,7 @@ def main(argv: list[str] | None = None) -> dict:
             [PromptSet(trainer.prompts.prompts[:1], trainer.prompts.metadata[:1])], [1]
         )
     started = time.perf_counter()
-    grads = batch_gradients(trainer, args.batches, args.timesteps)
+    grads, rewards = batch_gradients(trainer, args.batches, args.timesteps)
     if not np.linalg.norm(grads, axis=1).all():
         parser.error("a batch's gradient is zero (every image of a group scored alike): use larger --group")
     result = {
@@ -94,6 +111,7 @@ def main(argv: list[str] | None = None) -> dict:
         "images_per_batch": args.prompts * args.group,
         **agreement(grads),
         "gradient_norms": np.linalg.norm(grads, axis=1).tolist(),
+        **ties(rewards[:, trainer.names.index(args.reward)], args.group),
         "seconds": time.perf_counter() - started,
         "date": date.today().isoformat(),
         "machine": f"{platform.machine()}, {torch.get_num_threads()} thread",

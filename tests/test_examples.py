@@ -116,3 +116,11 @@ def test_gradient_agreement_measures_cosines_between_independent_batch_gradients
     assert result["images_per_batch"] == 2
     assert all(norm > 0 for norm in result["gradient_norms"])  # the zero adapter's NFT gradient is not 0
     assert -1 <= result["mean_cosine"] <= 1
+    assert 1 <= result["distinct_per_group"] <= 2
+    assert 0 <= result["tied_groups"] <= 1
+    nan = float("nan")
+    scores = torch.tensor([1.0, 1.0, 2.0, 2.0, 3.0, 3.0, 3.0, 3.0, nan, nan, nan, 4.0]).numpy()
+    assert benchmark.ties(scores, 4) == {
+        "distinct_per_group": 1.5,
+        "tied_groups": 0.5,
+    }  # the last group: one score

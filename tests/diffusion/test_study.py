@@ -84,8 +84,8 @@ def test_a_learning_curve_starts_at_the_pretrained_model_and_sums_the_training_s
         {"epoch": 0, "seconds": 30.0},
         {"epoch": 1, "seconds": 42.0, "eval/r1": 0.7},
         {"epoch": 2, "seconds": 18.0},
+        {"epoch": 3, "seconds": 30.0, "eval/r1": 0.9},
     ]
-    records.append({"epoch": 3, "seconds": 30.0, "eval/r1": 0.9})
     assert study._curve(records, "eval/r1", 0.5) == [
         {"epoch": 0, "minutes": 0.0, "value": 0.5},
         {"epoch": 2, "minutes": 1.2, "value": 0.7},
