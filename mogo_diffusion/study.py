@@ -386,6 +386,10 @@ def _figure(results: Mapping[str, Any], path: Path) -> None:
     plt.close(figure)
 
 
+_CURVE_AXES = (("epoch", "epoch"), ("minutes", "minutes of training (one thread)"))
+"""The rows of ``curves.png``: each a key of :func:`_curve`'s points and its axis label."""
+
+
 def _curves(
     names: Sequence[str],
     base: Mapping[str, float],
@@ -411,7 +415,7 @@ def _curves(
             if not curves:
                 continue
             length = min(len(c) for c in curves)
-            for row, x in enumerate(("epoch", "minutes")):
+            for row, (x, _) in enumerate(_CURVE_AXES):
                 axis = axes[row][column]
                 if label == "specialist":
                     for curve in curves:
@@ -420,7 +424,7 @@ def _curves(
                 xs = [statistics.fmean(c[i][x] for c in curves) for i in range(length)]
                 ys = [statistics.fmean(c[i]["value"] for c in curves) for i in range(length)]
                 axis.plot(xs, ys, color=styles[label], marker="o", markersize=3, label=label)
-        for axis, xlabel in zip(axes[:, column], ("epoch", "minutes of training (one thread)"), strict=True):
+        for axis, (_, xlabel) in zip(axes[:, column], _CURVE_AXES, strict=True):
             axis.axhline(base[key], color="black", linestyle="--", linewidth=0.8, label="pretrained")
             axis.set_xlabel(xlabel, fontsize=8)
         axes[0][column].set_title(name, fontsize=9)
