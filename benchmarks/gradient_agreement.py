@@ -28,7 +28,7 @@ import numpy as np
 import torch
 
 from mogo_diffusion.prompts import PromptPool, PromptSet
-from mogo_diffusion.shapes.recipe import REWARDS, shapes_config
+from mogo_diffusion.shapes.recipe import REWARDS, reward_specs, shapes_config
 from mogo_diffusion.train import MicroBatch, Trainer
 
 
@@ -91,8 +91,9 @@ def main(argv: list[str] | None = None) -> dict:
         parser.error("--batches must be at least 2")
     torch.set_num_threads(1)
     config = shapes_config(
+        rewards=reward_specs(REWARDS),  # the world's six rewards, as the study's specialists
         strategy={"name": "single", "reward": args.reward},
-        nft={"beta": args.beta, "kl_coef": 0.0},
+        nft={"beta": args.beta, "kl_coef": 0.0, "nonapplicable": "exclude"},
         sampling={"prompts_per_epoch": args.prompts, "group_size": args.group, "eval_prompts": None},
         train={"out_dir": "runs/gradient-agreement"},
     )

@@ -1,7 +1,9 @@
 """The paper's comparison on the shapes world: ``python -m mogo_diffusion.compare``.
 
-Every arm trains from :func:`~mogo_diffusion.shapes.recipe.shapes_config` with the same budget
-(:data:`EPOCHS` epochs of the same samples per epoch, the same optimizer) and the same seeds, and
+Every arm trains from :func:`~mogo_diffusion.shapes.recipe.shapes_config` on all of the world's
+rewards, a sample a reward does not apply to left out of that reward's loss (the settings the
+study's arms were frozen with), with the same budget (:data:`EPOCHS` epochs of the same samples
+per epoch, the same optimizer) and the same seeds, and
 is evaluated on the same held-out prompts and noise
 (:meth:`Trainer.evaluate <mogo_diffusion.train.Trainer.evaluate>`):
 
@@ -49,7 +51,7 @@ from tqdm.auto import tqdm
 import mogo
 from mogo_diffusion.config import Config
 from mogo_diffusion.evaluate import composite_zscores, read_metrics, reward_zscores
-from mogo_diffusion.shapes.recipe import REWARDS, shapes_config
+from mogo_diffusion.shapes.recipe import REWARDS, reward_specs, shapes_config
 
 __all__ = [
     "ABLATIONS",
@@ -114,10 +116,13 @@ def arm_config(
     quick: bool = False,
     rewards: Sequence[str] | None = None,
 ) -> Config:
-    """The config of one arm and seed, writing to ``out``: ``epochs`` epochs, evaluated once at
-    the end, on ``rewards`` (default: all of :data:`~mogo_diffusion.shapes.recipe.REWARDS`, in
-    their order; a subset keeps theirs)."""
-    data = shapes_config(**(QUICK if quick else {})).to_dict()
+    """The config of one arm and seed, writing to ``out``: ``epochs`` epochs, evaluated
+    :data:`EVALUATIONS` times, on ``rewards`` (default: all of
+    :data:`~mogo_diffusion.shapes.recipe.REWARDS`, in their order; a subset keeps theirs). A
+    sample a reward does not apply to is left out of that reward's loss, as when the study's arms
+    were frozen, but in ``marble_n10_neutral``."""
+    sections = {"rewards": reward_specs(REWARDS), "nft": {"nonapplicable": "exclude"}}
+    data = shapes_config(**sections, **(QUICK if quick else {})).to_dict()
     if rewards is not None:
         unknown = sorted(set(rewards) - {spec["name"] for spec in data["rewards"]})
         if unknown:
@@ -403,7 +408,7 @@ def _parser() -> argparse.ArgumentParser:
     parser.add_argument("--seed", type=int, default=None, help="run this one seed only (overrides --seeds)")
     parser.add_argument("--epochs", type=int, default=EPOCHS, help="epochs per run (not with --quick)")
     parser.add_argument("--jobs", type=int, default=2, help="runs at once, one thread each")
-    parser.add_argument("--arms", default=None, help="comma-separated subset of the arms (default: all)")
+    parser.add_argument("--arms", default="all", help="comma-separated subset of the arms, or all")
     parser.add_argument(
         "--quick", action="store_true", help="a few minutes: tiny budget, one seed, not a result"
     )
@@ -415,7 +420,7 @@ def main(argv: list[str] | None = None) -> dict:
     """Run the comparison; returns the summary (also ``OUT/results.json``)."""
     parser = _parser()
     args = parser.parse_args(argv)
-    chosen = arms() if args.arms is None else [a for a in args.arms.split(",") if a]
+    chosen = arms() if args.arms == "all" else [a for a in args.arms.split(",") if a]
     unknown = [a for a in chosen if a not in (*arms(), *ABLATIONS) and not _weighting_arm(a)]
     if unknown:
         parser.error(f"unknown arms {unknown}; arms: {', '.join(arms())}")

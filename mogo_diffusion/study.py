@@ -379,7 +379,7 @@ def _figure(results: Mapping[str, Any], path: Path) -> None:
         )  # fmt: skip
         axis.axvline(0, color="black", linewidth=0.5)
         axis.set_yticks(y, arms, fontsize=7)
-        axis.set_xlabel(f"composite minus {REFERENCE}'s (95 % paired bootstrap)")
+        axis.set_xlabel(f"composite minus {REFERENCE}'s\n(95 % paired bootstrap interval)")
         axis.set_title(name, fontsize=9)
     figure.tight_layout()
     figure.savefig(path, dpi=120)
@@ -461,7 +461,7 @@ def _parser() -> argparse.ArgumentParser:
     parser.add_argument("--arms", default=",".join(ARMS), help="comma-separated multi-reward arms")
     parser.add_argument("--no-ablations", action="store_true", help="leave the ablation arms out")
     parser.add_argument(
-        "--specialists", default=None, help="comma-separated rewards to train specialists for (default: all)"
+        "--specialists", default="all", help="comma-separated rewards to train specialists for, or all"
     )
     parser.add_argument("--quick", action="store_true", help="a smoke run: tiny budget, not a result")
     parser.add_argument(
@@ -488,7 +488,7 @@ def main(argv: list[str] | None = None) -> dict:
     try:
         runs = plan(
             args.out, sets=sets, arms=arms, ablations=() if args.no_ablations else compare.ABLATIONS,
-            specialists=None if args.specialists is None else args.specialists.split(","),
+            specialists=None if args.specialists == "all" else args.specialists.split(","),
             seeds=range(args.seeds), epochs=args.epochs, quick=args.quick,
         )  # fmt: skip
     except (ValueError, FileNotFoundError) as error:

@@ -10,7 +10,7 @@ import pytest
 import mogo
 from mogo_diffusion import compare
 from mogo_diffusion.evaluate import read_metrics
-from mogo_diffusion.shapes.recipe import REWARDS, shapes_config
+from mogo_diffusion.shapes.recipe import DEFAULT_REWARDS, REWARDS, shapes_config
 from mogo_diffusion.train import main
 
 
@@ -20,7 +20,8 @@ def test_the_default_command_trains_the_shapes_world(tmp_path):
           "--set", "sampling.eval_prompts=shapes:heldout:8"])  # fmt: skip
     records = read_metrics(out)
     assert [r["epoch"] for r in records] == [0, 1]
-    assert {f"eval/{name}" for name in REWARDS} <= set(records[-1])
+    assert {f"eval/{name}" for name in DEFAULT_REWARDS} <= set(records[-1])
+    assert "eval/jpeg_compressibility" not in records[-1]
     assert 0 <= records[-1]["eval/shapes_color"] <= 1
     assert -1 <= records[-1]["eval/clipscore"] <= 1  # the tiny CLIP through the CLIPScore wrapper
     assert records[-1]["worst_cosine_marble"] >= -1e-6  # the harmonized direction opposes no reward
@@ -37,8 +38,10 @@ def test_arms_differ_only_in_their_strategy(tmp_path):
     for arm, config in configs.items():
         data = config.to_dict()
         assert data["train"]["seed"] == 1
-        assert {k: v for k, v in data.items() if k not in ("strategy", "train")} == {
-            k: v for k, v in base.items() if k not in ("strategy", "train")
+        assert [spec["name"] for spec in data["rewards"]] == list(REWARDS), arm  # every reward of the world
+        assert data["nft"] == {**base["nft"], "nonapplicable": "exclude"}, arm  # as the study was frozen
+        assert {k: v for k, v in data.items() if k not in ("strategy", "train", "rewards", "nft")} == {
+            k: v for k, v in base.items() if k not in ("strategy", "train", "rewards", "nft")
         }, arm
     assert configs["sequential"].strategy.stages[0].reward == REWARDS[0]
     assert configs["weighted_sum_z"].strategy.reward_scale == "zscore"
@@ -48,6 +51,11 @@ def test_arms_differ_only_in_their_strategy(tmp_path):
     assert ablations["marble_n10_neutral"].nft.nonapplicable == "neutral"
     assert configs["marble_n10"].nft.nonapplicable == "exclude"
     assert ablations["marble_n10_noema"].strategy.alpha_ema == 0.0
+    # the default run is the study's neutral MARBLE arm on the prompt-following rewards, seed 0
+    demo = compare.arm_config("marble_n10_neutral", 0, tmp_path, rewards=DEFAULT_REWARDS).to_dict()
+    differ = {k for k in base["train"] if demo["train"][k] != base["train"][k]}
+    assert {k: v for k, v in demo.items() if k != "train"} == {k: v for k, v in base.items() if k != "train"}
+    assert differ == {"out_dir", "checkpoint_every"}
     assert ablations["mgda_n10"].strategy.name == "mgda"
     assert mogo.make_weighting("mgda").normalize == "none"
     any_weighting = compare.arm_config("min_norm_n10", 0, tmp_path).strategy  # by its registry name
