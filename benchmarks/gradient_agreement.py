@@ -27,8 +27,9 @@ from pathlib import Path
 import numpy as np
 import torch
 
+from mogo_diffusion.compare import frozen_sections
 from mogo_diffusion.prompts import PromptPool, PromptSet
-from mogo_diffusion.shapes.recipe import REWARDS, reward_specs, shapes_config
+from mogo_diffusion.shapes.recipe import REWARDS, shapes_config
 from mogo_diffusion.train import MicroBatch, Trainer
 
 
@@ -90,10 +91,11 @@ def main(argv: list[str] | None = None) -> dict:
     if args.batches < 2:
         parser.error("--batches must be at least 2")
     torch.set_num_threads(1)
+    frozen = frozen_sections()  # the world's six rewards, as the study's specialists
     config = shapes_config(
-        rewards=reward_specs(REWARDS),  # the world's six rewards, as the study's specialists
+        rewards=frozen["rewards"],
         strategy={"name": "single", "reward": args.reward},
-        nft={"beta": args.beta, "kl_coef": 0.0, "nonapplicable": "exclude"},
+        nft={**frozen["nft"], "beta": args.beta, "kl_coef": 0.0},
         sampling={"prompts_per_epoch": args.prompts, "group_size": args.group, "eval_prompts": None},
         train={"out_dir": "runs/gradient-agreement"},
     )

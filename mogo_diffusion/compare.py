@@ -62,6 +62,7 @@ __all__ = [
     "arm_config",
     "arms",
     "finished",
+    "frozen_sections",
     "main",
     "summarize",
     "tables",
@@ -107,6 +108,13 @@ EVALUATIONS = 3
 """Evaluations per run (the last one is the result), so that each run has a learning curve."""
 
 
+def frozen_sections() -> dict[str, Any]:
+    """The :func:`~mogo_diffusion.shapes.recipe.shapes_config` sections every arm starts from, the
+    settings the study's arms were frozen with: all of the world's rewards, and a sample a reward
+    does not apply to left out of that reward's loss."""
+    return {"rewards": reward_specs(REWARDS), "nft": {"nonapplicable": "exclude"}}
+
+
 def arm_config(
     arm: str,
     seed: int,
@@ -121,8 +129,7 @@ def arm_config(
     :data:`~mogo_diffusion.shapes.recipe.REWARDS`, in their order; a subset keeps theirs). A
     sample a reward does not apply to is left out of that reward's loss, as when the study's arms
     were frozen, but in ``marble_n10_neutral``."""
-    sections = {"rewards": reward_specs(REWARDS), "nft": {"nonapplicable": "exclude"}}
-    data = shapes_config(**sections, **(QUICK if quick else {})).to_dict()
+    data = shapes_config(**frozen_sections(), **(QUICK if quick else {})).to_dict()
     if rewards is not None:
         unknown = sorted(set(rewards) - {spec["name"] for spec in data["rewards"]})
         if unknown:

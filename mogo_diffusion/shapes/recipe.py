@@ -19,8 +19,8 @@ specialist reward does not apply to with a neutral advantage (``nft.nonapplicabl
 DiffusionNFT's code masks): of the study's two reward sets and its MARBLE variants, the one on
 which MARBLE did best (``docs/shapes.rst``).
 
-The recipe is the one the search in the docs found to learn: a rank-32
-LoRA on every linear layer of the transformer (attention, MLPs, adaLN and the output), beta 1,
+The recipe is the one the search in the docs found to learn: a rank-32 LoRA on every linear
+layer of the transformer (attention, MLPs, adaLN and the output), beta 1,
 one optimizer step of all 64 images of an epoch on half of their timesteps, AdamW at 3e-3. Its
 prompts are :data:`POOL`, a fixed pool of 32 training-split captions that every epoch samples
 from again (:func:`pool`: 8 position, 8 counting and 4 of each other tag); it is evaluated on the
