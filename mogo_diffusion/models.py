@@ -57,7 +57,7 @@ from transformers import (
 )
 
 from mogo_diffusion.config import HUB_ID, LORA_TARGETS
-from mogo_diffusion.tokenizers import clip_tokenizer, t5_tokenizer
+from mogo_diffusion.tokenizers import DEFAULT_CORPUS, clip_tokenizer, t5_tokenizer
 
 __all__ = [
     "LORA_TARGETS",
@@ -224,6 +224,7 @@ def tiny_sd3(
     *,
     seed: int = 0,
     max_sequence_length: int = 16,
+    corpus: Sequence[str] = DEFAULT_CORPUS,
     torch_dtype: torch.dtype = torch.float32,
 ) -> StableDiffusion3Pipeline:
     """A complete SD3 pipeline with random weights, built offline from configs.
@@ -243,6 +244,8 @@ def tiny_sd3(
         max_sequence_length: tokens per prompt of each tokenizer (CLIP pads to it; T5 is read at
             this length by :func:`encode_prompts`'s default). Prompt embeddings have
             ``2 * max_sequence_length`` tokens.
+        corpus: the texts the tokenizers are learned from (:mod:`mogo_diffusion.tokenizers`); a
+            model's own captions make each of their words one token, so short prompts stay short.
         torch_dtype: dtype of all weights.
 
     Returns:
@@ -284,7 +287,7 @@ def tiny_sd3(
             shift_factor=0.0609,
             scaling_factor=1.5305,
         )
-        tokenizers = [clip_tokenizer(model_max_length=max_sequence_length) for _ in range(2)]
+        tokenizers = [clip_tokenizer(corpus, model_max_length=max_sequence_length) for _ in range(2)]
         clip_encoders = [
             CLIPTextModelWithProjection(
                 CLIPTextConfig(
@@ -302,7 +305,7 @@ def tiny_sd3(
             )
             for tokenizer in tokenizers
         ]
-        tokenizer_3 = t5_tokenizer(model_max_length=max_sequence_length)
+        tokenizer_3 = t5_tokenizer(corpus, model_max_length=max_sequence_length)
         text_encoder_3 = T5EncoderModel(
             T5Config(
                 vocab_size=len(tokenizer_3),

@@ -58,7 +58,15 @@ from mogo_diffusion import streams
 from mogo_diffusion.models import encode_prompts, load_component, tiny_sd3
 from mogo_diffusion.sampling import decode, encode, sample
 from mogo_diffusion.shapes.detect import check, detect_batch
-from mogo_diffusion.shapes.scenes import SIZE, Scene, all_prompts, render_batch, sample_scenes
+from mogo_diffusion.shapes.scenes import (
+    MAX_SEQUENCE_LENGTH,
+    SIZE,
+    Scene,
+    all_prompts,
+    corpus,
+    render_batch,
+    sample_scenes,
+)
 from mogo_diffusion.streams import stream_seed
 from mogo_diffusion.tokenizers import clip_tokenizer
 
@@ -83,8 +91,6 @@ __all__ = [
 ]
 
 PHASES: tuple[str, ...] = ("vae", "transformer", "clip")
-MAX_SEQUENCE_LENGTH = 32
-"""Tokens per caption of the pipeline's and CLIP's tokenizers (the longest caption has 30)."""
 
 
 @dataclass(frozen=True)
@@ -613,7 +619,7 @@ def clip_phase(pipeline: StableDiffusion3Pipeline, pools: Pools, settings: Setti
     tokenizer and processor to ``out/clip``; returns its report (losses, retrieval accuracy)."""
     started = time.perf_counter()
     images, captions = pools.images, pools.captions
-    tokenizer = clip_tokenizer(model_max_length=MAX_SEQUENCE_LENGTH)
+    tokenizer = clip_tokenizer(corpus(), model_max_length=MAX_SEQUENCE_LENGTH)
     mean, std = images.mean(dim=(0, 2, 3)), images.std(dim=(0, 2, 3))
     vae = pipeline.vae
     half = len(images) // 2  # the second half read through the VAE, as generated images are
@@ -686,7 +692,10 @@ def main(argv: list[str] | None = None) -> dict[str, Any]:
     started = time.perf_counter()
     pools = Pools.sample(settings)
     pipeline = tiny_sd3(
-        "small", seed=stream_seed(settings.seed, "sd3_init"), max_sequence_length=MAX_SEQUENCE_LENGTH
+        "small",
+        seed=stream_seed(settings.seed, "sd3_init"),
+        max_sequence_length=MAX_SEQUENCE_LENGTH,
+        corpus=corpus(),
     )
     pipeline.set_progress_bar_config(disable=True)
     if "vae" in phases:

@@ -41,6 +41,7 @@ from typing import Any
 from mogo_diffusion.config import Config
 from mogo_diffusion.prompts import shapes_prompts
 from mogo_diffusion.shapes import shapes_clip_path, shapes_pipeline_path
+from mogo_diffusion.shapes.scenes import MAX_SEQUENCE_LENGTH
 
 __all__ = [
     "DEFAULT_REWARDS",
@@ -129,7 +130,7 @@ def shapes_config(**sections: dict[str, Any]) -> Config:
             "lora_rank": 32,
             "lora_alpha": 64.0,
             "lora_targets": list(LORA_TARGETS),
-            "max_sequence_length": 32,
+            "max_sequence_length": MAX_SEQUENCE_LENGTH,
         },
         "sampling": {
             "num_steps": 10,

@@ -47,6 +47,7 @@ __all__ = [
     "COLORS",
     "GAP",
     "HELDOUT_PAIRS",
+    "MAX_SEQUENCE_LENGTH",
     "OBJECT_COLORS",
     "RELATIONS",
     "SHAPES",
@@ -58,6 +59,7 @@ __all__ = [
     "Split",
     "all_metadata",
     "all_prompts",
+    "corpus",
     "relations",
     "relative_direction",
     "render",
@@ -356,6 +358,18 @@ def _split_specs(split: str) -> dict[str, list[_Spec]]:
 def all_prompts(split: Split = "train") -> list[str]:
     """Every distinct caption of ``split``, in a fixed order (tag by tag, as :data:`TAGS`)."""
     return [spec.prompt for specs in _split_specs(split).values() for spec in specs]
+
+
+def corpus() -> list[str]:
+    """Every caption of both splits: the texts the world's tokenizers are learned from, so that
+    each of its words is one token."""
+    return [*all_prompts("train"), *all_prompts("heldout")]
+
+
+MAX_SEQUENCE_LENGTH = 14
+"""Tokens per caption of the world's tokenizers (the pipeline's CLIPs and T5, the reward CLIP):
+the longest caption's 12 words and CLIP's start and end tokens, with tokenizers learned from
+:func:`corpus`."""
 
 
 def all_metadata(split: Split = "train") -> list[dict[str, Any]]:

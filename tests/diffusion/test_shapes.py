@@ -31,7 +31,7 @@ from mogo_diffusion.shapes import (
     shapes_clip_path,
     shapes_pipeline_path,
 )
-from mogo_diffusion.shapes.scenes import GAP
+from mogo_diffusion.shapes.scenes import GAP, MAX_SEQUENCE_LENGTH
 
 # Scenes -------------------------------------------------------------------------------------------
 
@@ -131,13 +131,23 @@ def test_heldout_split_is_disjoint_from_training(scenes):
         assert named & HELDOUT_PAIRS
 
 
-def test_every_caption_fits_the_tokenizers():
-    from mogo_diffusion.shapes.pretrain import MAX_SEQUENCE_LENGTH
-    from mogo_diffusion.tokenizers import clip_tokenizer, t5_tokenizer
+def test_the_shipped_tokenizers_read_every_caption_word_by_word():
+    """Each word of a caption is one token, so no caption is cut and none carries padding it need not."""
+    from transformers import AutoTokenizer
 
-    prompts = all_prompts("train") + all_prompts("heldout")
-    for tokenizer in (clip_tokenizer(model_max_length=77), t5_tokenizer()):
-        assert max(len(ids) for ids in tokenizer(prompts).input_ids) <= MAX_SEQUENCE_LENGTH
+    from mogo_diffusion.shapes import shapes_clip_path, shapes_pipeline_path
+    from mogo_diffusion.shapes.scenes import corpus
+
+    captions = corpus()
+    words = [len(caption.split()) for caption in captions]
+    assert max(words) + 2 == MAX_SEQUENCE_LENGTH
+    readers = {"tokenizer": 2, "tokenizer_2": 2, "tokenizer_3": 1}  # CLIP's start and end; T5's end
+    for folder, extra in readers.items():
+        tokenizer = AutoTokenizer.from_pretrained(shapes_pipeline_path() / folder)
+        assert tokenizer.model_max_length == MAX_SEQUENCE_LENGTH
+        assert [len(ids) for ids in tokenizer(captions).input_ids] == [n + extra for n in words]
+    clip = AutoTokenizer.from_pretrained(shapes_clip_path())
+    assert [len(ids) for ids in clip(captions).input_ids] == [n + 2 for n in words]
 
 
 def test_bad_arguments_are_named():
@@ -286,7 +296,7 @@ def test_pretrain_runs_end_to_end_and_loads(tmp_path):
     pipeline = load_pipeline(out)
     assert pipeline.vae.config.shift_factor == pytest.approx(report["vae"]["shift_factor"])
     embeds, pooled = encode_prompts(pipeline, ["a red circle on a white background"])
-    assert embeds.shape == (1, 64, 64)
+    assert embeds.shape == (1, 2 * MAX_SEQUENCE_LENGTH, 64)  # the CLIPs' and T5's tokens
     assert pooled.shape == (1, 64)
     model, processor = CLIPModel.from_pretrained(out / "clip"), CLIPProcessor.from_pretrained(out / "clip")
     pixels = (render(sample_scenes(1)[0]) * 255).round().to(torch.uint8).permute(1, 2, 0).numpy()
