@@ -68,8 +68,8 @@ def measure(checkout: Path, epochs: int, overrides: list[str]) -> dict[str, floa
     with tempfile.TemporaryDirectory() as out:
         run = subprocess.run(
             [sys.executable, "-c", WORKER, out, str(epochs), json.dumps(overrides)],
-            env=env, capture_output=True, text=True, check=False,
-        )  # fmt: skip
+            env=env, cwd=checkout, capture_output=True, text=True, check=False,
+        )  # fmt: skip  # cwd: ``python -c`` puts it before PYTHONPATH on sys.path
     if run.returncode:
         raise RuntimeError(f"{checkout}: the worker failed:\n{run.stderr[-3000:]}")
     return json.loads(run.stdout.strip().splitlines()[-1])
