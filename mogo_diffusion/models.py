@@ -68,6 +68,7 @@ __all__ = [
     "add_lora",
     "ema_update",
     "encode_prompts",
+    "fused",
     "load_component",
     "load_pipeline",
     "lora_parameters",
@@ -584,6 +585,48 @@ def merged(transformer: SD3Transformer2DModel, name: str) -> Iterator[SD3Transfo
     finally:
         for weight, original in zip(weights, originals, strict=True):
             weight.data = original
+
+
+@contextmanager
+def fused(transformer: SD3Transformer2DModel, name: str) -> Iterator[SD3Transformer2DModel]:
+    """A context in which forwards with gradients compute adapter ``name`` as one product per layer.
+
+    Each adapted linear layer computes ``(W + s B A) x``, the merged weight formed differentiably
+    at every call, instead of ``W x + s B (A x)``: the same function and the same gradients of
+    ``A`` and ``B`` up to round-off, for the cost of a forward and backward without adapters plus
+    the products ``B A`` (``r * in * out`` multiply-adds per layer, whatever the batch). Whichever
+    adapter is selected, the layers compute ``name``. :func:`merged` is its counterpart for
+    forwards without gradients. The layers' own forwards are put back on exit.
+
+    Raises:
+        ValueError: no adapter ``name``, or one with dropout (a merged weight cannot drop inputs).
+    """
+    if name not in getattr(transformer, "peft_config", {}):
+        loaded = list(getattr(transformer, "peft_config", {}))
+        raise ValueError(f"no LoRA adapter named {name!r}; the transformer has {loaded}")
+    layers = [layer for layer in _cached_lora_layers(transformer) if name in layer.lora_A]
+    if any(not isinstance(layer.lora_dropout[name], nn.Identity) for layer in layers):
+        raise ValueError(f"adapter {name!r} has dropout: fused() computes no dropout")
+    try:
+        for layer in layers:
+            layer.forward = _fused_forward(layer, name)
+        yield transformer
+    finally:
+        for layer in layers:
+            vars(layer).pop("forward", None)
+
+
+def _fused_forward(layer: LoraLayer, name: str) -> Any:
+    """The forward of ``layer`` with adapter ``name`` folded into its weight (see :func:`fused`)."""
+    base = layer.get_base_layer()
+    down, up, scale = layer.lora_A[name].weight, layer.lora_B[name].weight, layer.scaling[name]
+    work = torch.promote_types(base.weight.dtype, torch.float32)  # bf16 weights: merged in float32
+
+    def forward(x: Tensor, *args: Any, **kwargs: Any) -> Tensor:
+        weight = (base.weight.to(work) + scale * (up.to(work) @ down.to(work))).to(base.weight.dtype)
+        return nn.functional.linear(x.to(weight.dtype), weight, base.bias)
+
+    return forward
 
 
 def save_lora(

@@ -405,7 +405,8 @@ class Trainer:
     ) -> tuple[torch.Tensor, torch.Tensor | None]:
         """The ``[J]`` NFT losses and the KL term (None when ``nft.kl_coef`` is 0) of the local
         rows ``index`` at the trained timestep ``t = sigma_j`` with noise ``eps``; the trained
-        forward runs under the run's autocast."""
+        forward runs under the run's autocast, its adapter fused into the weights
+        (:func:`~mogo_diffusion.models.fused`)."""
         nft = self.config.nft
         x0 = batch.latents[index]
         t = float(batch.sigmas[j])
@@ -425,7 +426,7 @@ class Trainer:
             if nft.kl_coef > 0:
                 with models.reference(self.transformer):
                     v_ref = self.transformer(**inputs)[0]
-        with self.autocast():
+        with self.autocast(), models.fused(self.transformer, models.TRAINED):
             v = self.transformer(**inputs)[0]
         kl = kl_loss(v, v_ref, kl_coef=nft.kl_coef) if v_ref is not None else None
         return self.strategy.losses(nft_terms(v, v_old, x_t, x0, t, beta=nft.beta), advantages), kl

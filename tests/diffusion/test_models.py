@@ -22,6 +22,7 @@ from mogo_diffusion.models import (
     add_lora,
     ema_update,
     encode_prompts,
+    fused,
     load_component,
     load_pipeline,
     lora_parameters,
@@ -358,6 +359,48 @@ def test_adapter_and_reference_select_what_a_forward_uses(pipeline, lora_pipelin
     with pytest.raises(ValueError, match="ema"), adapter(transformer, "ema"):
         pass
     torch.testing.assert_close(_velocity(transformer, embeds, noise), trained, atol=0, rtol=0)
+
+
+def test_fused_computes_the_adapter_and_its_gradients_and_restores_the_layers(embeds, noise):
+    tiny = tiny_sd3("smoke", seed=0)
+    transformer = tiny.transformer.double()  # float64: the two association orders agree to ~eps64
+    add_lora(transformer, rank=4, alpha=8.0)
+    for p in (*lora_parameters(transformer, TRAINED), *lora_parameters(transformer, OLD)):
+        p.data = p.data.double()
+    _perturb(transformer, TRAINED, seed=4)
+    _perturb(transformer, OLD, seed=5)
+    embeds = tuple(e.double() for e in embeds)
+    noise = noise.double()
+    params = lora_parameters(transformer, TRAINED)
+
+    def velocity_and_grads():
+        prompt_embeds, pooled = embeds
+        v = transformer(
+            hidden_states=noise, timestep=torch.full((noise.shape[0],), 700.0),
+            encoder_hidden_states=prompt_embeds, pooled_projections=pooled, return_dict=False,
+        )[0]  # fmt: skip
+        return v.detach(), torch.autograd.grad(v.square().sum(), params)
+
+    expected, expected_grads = velocity_and_grads()
+    with adapter(transformer, OLD), fused(transformer, TRAINED) as same:  # fused names its adapter
+        assert same is transformer
+        v, grads = velocity_and_grads()
+    # sums of at most a few hundred terms through two blocks and back: a few hundred eps64 relative
+    # to the largest entry, far below 1e4 eps64
+    eps = torch.finfo(torch.float64).eps
+    torch.testing.assert_close(v, expected, rtol=0, atol=1e4 * eps * expected.abs().max().item())
+    for grad, want in zip(grads, expected_grads, strict=True):
+        torch.testing.assert_close(grad, want, rtol=0, atol=1e4 * eps * want.abs().max().item())
+    assert all("forward" not in vars(module) for module in transformer.modules())  # layers restored
+    assert torch.equal(velocity_and_grads()[0], expected)
+    with pytest.raises(RuntimeError, match="inside"), fused(transformer, TRAINED):
+        raise RuntimeError("inside")
+    assert all("forward" not in vars(module) for module in transformer.modules())
+    with pytest.raises(ValueError, match="'ema'"), fused(transformer, "ema"):
+        pass
+    transformer.add_adapter(LoraConfig(r=2, lora_dropout=0.1, target_modules=["to_q"]), adapter_name="drop")
+    with pytest.raises(ValueError, match="'drop' has dropout"), fused(transformer, "drop"):
+        pass
 
 
 def test_merged_computes_the_adapter_folded_into_the_weights_and_restores_them(embeds, noise):
