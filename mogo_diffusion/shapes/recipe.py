@@ -149,7 +149,7 @@ def shapes_config(**sections: dict[str, Any]) -> Config:
         "train": {
             "lr": 3e-3,
             "grad_clip": 1.0,
-            "epochs": 30,
+            "epochs": 60,
             "batch_size": 64,
             "timestep_fraction": 0.5,
             "old_decay_rate": 0.01,
