@@ -57,10 +57,14 @@ __all__ = [
     "ABLATIONS",
     "EPOCHS",
     "EVALUATIONS",
+    "FINAL_EVAL",
     "QUICK",
     "WEIGHTING_ARMS",
     "arm_config",
     "arms",
+    "done",
+    "evaluate_base",
+    "final_means",
     "finished",
     "frozen_sections",
     "main",
@@ -106,6 +110,11 @@ EPOCHS = 60
 
 EVALUATIONS = 3
 """Evaluations per run (the last one is the result), so that each run has a learning curve."""
+
+
+FINAL_EVAL = "final_eval.json"
+"""A run's final evaluation (:func:`run_all` with ``final``): its last weights on more images,
+:func:`~mogo_diffusion.evaluate.evaluate_run`'s JSON."""
 
 
 def frozen_sections() -> dict[str, Any]:
@@ -194,41 +203,91 @@ def _train(config: Config, run: Path) -> None:
     run.mkdir(parents=True)
     config.save(run / "compare_config.yaml")
     command = [sys.executable, "-m", "mogo_diffusion.train", "--config", str(run / "compare_config.yaml")]
+    _subprocess(command, run)
+
+
+def _evaluate_final(run: Path, prompts: str) -> None:
+    """``python -m mogo_diffusion.evaluate`` of ``run``'s last checkpoint on ``prompts`` (one
+    thread), written to ``run/FINAL_EVAL`` once complete."""
+    partial = run / f"{FINAL_EVAL}.partial"
+    _subprocess([sys.executable, "-m", "mogo_diffusion.evaluate", str(run), "--prompts", prompts,
+                 "--out", str(partial)], run)  # fmt: skip
+    partial.replace(run / FINAL_EVAL)
+
+
+def _subprocess(command: list[str], run: Path) -> None:
+    """Run ``command`` with one thread, appending its output to ``run/log.txt``."""
     env = {**os.environ, "OMP_NUM_THREADS": "1", "MKL_NUM_THREADS": "1", "TQDM_DISABLE": "1"}
-    with (run / "log.txt").open("w") as log:
-        done = subprocess.run(command, stdout=log, stderr=subprocess.STDOUT, env=env, check=False)
-    if done.returncode:
+    with (run / "log.txt").open("a") as log:
+        completed = subprocess.run(command, stdout=log, stderr=subprocess.STDOUT, env=env, check=False)
+    if completed.returncode:
         tail = (run / "log.txt").read_text().splitlines()[-15:]
-        raise RuntimeError(f"run {str(run)!r} failed (exit {done.returncode}):\n" + "\n".join(tail))
+        raise RuntimeError(f"run {str(run)!r} failed (exit {completed.returncode}):\n" + "\n".join(tail))
 
 
-def _evaluate_base(config: Config, path: Path) -> dict[str, float]:
-    """The pretrained model's held-out means (its zero adapter is the base model), cached at ``path``."""
+def _complete(config: Config, final: str | None) -> None:
+    """Train ``config``'s run unless it finished, and with ``final`` evaluate it finally unless it
+    was; a finished run kept without its checkpoints and final evaluation is trained again."""
+    run = Path(config.train.out_dir)
+    evaluated = final is None or (run / FINAL_EVAL).is_file()
+    if not finished(run, config.train.epochs) or not (evaluated or (run / "checkpoints").is_dir()):
+        _train(config, run)
+    if not evaluated:
+        _evaluate_final(run, final)
+
+
+def done(config: Config, final: str | None = None) -> bool:
+    """Whether ``config``'s run :func:`finished` and, with ``final``, was evaluated finally."""
+    run = Path(config.train.out_dir)
+    return finished(run, config.train.epochs) and (final is None or (run / FINAL_EVAL).is_file())
+
+
+def final_means(run: Path) -> dict[str, float]:
+    """The held-out means of ``run``'s final evaluation, as ``{"eval/<reward>": mean}`` (NaN where a
+    reward applied to no prompt)."""
+    metrics = json.loads((run / FINAL_EVAL).read_text())["metrics"]
+    return {f"eval/{name}": math.nan if value is None else value for name, value in metrics.items()}
+
+
+def evaluate_base(config: Config, path: Path, *, prompts: str | None = None) -> dict[str, float]:
+    """The pretrained model's held-out means (its zero adapter is the base model) on ``config``'s
+    evaluation prompts or ``prompts``, ``{"eval/<reward>": mean, ...}``, cached at ``path``."""
     if path.is_file():
         return json.loads(path.read_text())
     from mogo_diffusion.train import Trainer
 
+    if prompts is not None:
+        data = config.to_dict()
+        data["sampling"]["eval_prompts"] = prompts
+        config = Config.from_dict(data)
     trainer = Trainer(config)
     started = time.perf_counter()
     means = trainer.evaluate()
     means["seconds"] = time.perf_counter() - started
     path.parent.mkdir(parents=True, exist_ok=True)
-    path.write_text(json.dumps(means, indent=2) + "\n")
+    partial = path.with_name(f"{path.name}.partial")
+    partial.write_text(json.dumps(means, indent=2) + "\n")
+    partial.replace(path)
     return means
 
 
-def run_all(configs: Mapping[tuple, Config], base: Path, *, jobs: int) -> dict[str, float]:
+def run_all(
+    configs: Mapping[tuple, Config], base: Path, *, jobs: int, final: str | None = None
+) -> dict[str, float]:
     """Train every run of ``configs`` (key to config) not finished yet, ``jobs`` at a time, each a
     ``python -m mogo_diffusion.train`` subprocess with one thread; returns the pretrained model's
     held-out means, evaluated once and cached at ``base``. Finished runs are not rerun, so an
-    interrupted comparison continues where it stopped (an unfinished run starts over)."""
-    means = _evaluate_base(next(iter(configs.values())), base)
-    todo = {key: c for key, c in configs.items() if not finished(Path(c.train.out_dir), c.train.epochs)}
+    interrupted comparison continues where it stopped (an unfinished run starts over).
+
+    With ``final`` (a prompt source), each run's last weights are then evaluated on it once
+    (:data:`FINAL_EVAL` in the run, read by :func:`final_means`)."""
+    means = evaluate_base(next(iter(configs.values())), base)
+    todo = {key: c for key, c in configs.items() if not done(c, final)}
     with (
         ThreadPoolExecutor(max_workers=jobs) as pool,
         tqdm(total=len(configs), initial=len(configs) - len(todo), desc="runs") as bar,
     ):
-        futures = {pool.submit(_train, c, Path(c.train.out_dir)): key for key, c in todo.items()}
+        futures = {pool.submit(_complete, c, final): key for key, c in todo.items()}
         for future in as_completed(futures):
             future.result()
             bar.update()

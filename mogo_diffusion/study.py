@@ -15,11 +15,15 @@ on ``prompt_following``) are trained for each set. Runs live in ``OUT/runs/<set 
 specialists>/<arm>/seed<s>``; a finished run is never rerun, so the study can be stopped and
 continued.
 
-For each set, arm and reward the study reports the held-out mean and, paired by seed, the mean
-difference to the weighted sum with its 95 % bootstrap interval (:mod:`mogo_diffusion.bootstrap`);
-the same for the composite (each run's mean z-score over the set's rewards, standardised by the
-arms' seed-averaged means, the pretrained model included). Each of the paper's claims gets
-"reproduced", "not reproduced" or "undecided (CI spans 0)", with its numbers:
+A run is judged by its final evaluation: its last weights on
+:data:`~mogo_diffusion.shapes.recipe.FINAL_EVAL` (each training caption 32 times from its own
+noise, 1024 images), like the pretrained model; the evaluations during training (256 images)
+draw the learning curves. For each set, arm and reward the study reports the held-out mean and,
+paired by seed, the mean difference to the weighted sum with its 95 % bootstrap interval
+(:mod:`mogo_diffusion.bootstrap`); the same for the composite (each run's mean z-score over the
+set's rewards, standardised by the arms' seed-averaged means, the pretrained model included).
+Each of the paper's claims gets "reproduced", "not reproduced" or "undecided (CI spans 0)", with
+its numbers:
 
 (a) MARBLE (``marble_n10``) improves every reward over the pretrained model: every interval of
     its difference to the pretrained model above 0;
@@ -58,11 +62,12 @@ from mogo_diffusion import compare
 from mogo_diffusion.bootstrap import Interval, bootstrap_interval, paired_interval
 from mogo_diffusion.config import Config
 from mogo_diffusion.evaluate import composite_zscores, read_metrics
-from mogo_diffusion.shapes.recipe import REWARDS
+from mogo_diffusion.shapes.recipe import FINAL_EVAL, REWARDS
 
 __all__ = [
     "ARMS",
     "MARBLE",
+    "QUICK_FINAL",
     "REFERENCE",
     "REWARD_SETS",
     "SPECIALIST_FLOOR",
@@ -90,6 +95,9 @@ REFERENCE = "weighted_sum"
 
 SPECIALIST_FLOOR = 0.02
 """The smallest seed std a specialist's gain is judged against (the issue's bar is 3 x max(std, 0.02))."""
+
+QUICK_FINAL = "shapes:heldout:24"
+"""The final evaluation's prompts of a ``--quick`` smoke study."""
 
 HARMONIZED_TOLERANCE = 1e-6
 """A harmonized direction opposes a reward when its cosine is below this (round-off of the Gram)."""
@@ -131,15 +139,11 @@ def plan(
     return runs
 
 
-def _held_out(history: Sequence[Mapping[str, Any]], names: Sequence[str]) -> list[float]:
-    last = [record for record in history if f"eval/{names[0]}" in record][-1]
-    return [float(last[f"eval/{name}"]) for name in names]
-
-
 def analyse(
     names: Sequence[str],
     base: Mapping[str, float],
     histories: Mapping[str, Mapping[int, Sequence[Mapping[str, Any]]]],
+    finals: Mapping[str, Mapping[int, Mapping[str, float]]] | None = None,
 ) -> dict[str, Any]:
     """The numbers of one reward set.
 
@@ -147,6 +151,9 @@ def analyse(
         names: the set's rewards.
         base: the pretrained model's held-out means (``eval/<name>``).
         histories: arm to seed to its run's metrics records (the last evaluation counts).
+        finals: arm to seed to its run's final evaluation (``eval/<name>``,
+            :func:`~mogo_diffusion.compare.final_means`), which then counts instead; ``base``
+            must then be the pretrained model's on the same prompts.
 
     Returns:
         A dict of ``rewards``, ``seeds``, ``base`` (the pretrained model's means), ``arms`` (for
@@ -155,7 +162,15 @@ def analyse(
         ``claims`` (:func:`claims`).
     """
     seeds = sorted(histories[REFERENCE])
-    means = {arm: {s: _held_out(runs[s], names) for s in seeds} for arm, runs in histories.items()}
+
+    def held_out(arm: str, seed: int) -> list[float]:
+        if finals is not None:
+            record = finals[arm][seed]
+        else:
+            record = [r for r in histories[arm][seed] if f"eval/{names[0]}" in r][-1]
+        return [float(record[f"eval/{name}"]) for name in names]
+
+    means = {arm: {s: held_out(arm, s) for s in seeds} for arm in histories}
     base_means = [float(base[f"eval/{name}"]) for name in names]
     averaged = {arm: np.mean([means[arm][s] for s in seeds], axis=0).tolist() for arm in means}
     averaged["base"] = base_means
@@ -324,7 +339,7 @@ def _tables(summary: Mapping[str, Any]) -> list[tuple[str, list[list[str]]]]:
 
 def _markdown(results: Mapping[str, Any]) -> str:
     """The study's tables (:func:`_tables` of every set) as markdown."""
-    lines = [f"Command: `{results['command']}`", ""]
+    lines = [f"Command: `{results['command']}`", "", _judged(results), ""]
     for name, summary in results["sets"].items():
         lines += [f"## {name}", ""]
         for caption, rows in _tables(summary):
@@ -335,7 +350,7 @@ def _markdown(results: Mapping[str, Any]) -> str:
 
 def _rst(results: Mapping[str, Any]) -> str:
     """The study's tables as reStructuredText list-tables, for the docs."""
-    blocks = [f"Command: ``{results['command']}``"]
+    blocks = [f"Command: ``{results['command']}``", _judged(results)]
     for name, summary in results["sets"].items():
         blocks.append(f"**{name}**")
         for caption, rows in _tables(summary):
@@ -344,6 +359,11 @@ def _rst(results: Mapping[str, Any]) -> str:
                 lines += [f"   * - {row[0]}", *(f"     - {cell or ' '}" for cell in row[1:])]
             blocks.append("\n".join(lines))
     return "\n\n".join(blocks) + "\n"
+
+
+def _judged(results: Mapping[str, Any]) -> str:
+    return (f"Held-out means: each run's last weights and the pretrained model on "
+            f"{Path(results['final_evaluation']).name}, from the same noise.")  # fmt: skip
 
 
 def _signed(interval: Sequence[float]) -> str:
@@ -494,10 +514,9 @@ def main(argv: list[str] | None = None) -> dict:
     except (ValueError, FileNotFoundError) as error:
         parser.error(str(error))
     seeds = list(range(args.seeds))
+    final = QUICK_FINAL if args.quick else str(FINAL_EVAL)
     if args.no_train:
-        unfinished = {
-            s for (_, _, s), c in runs.items() if not compare.finished(Path(c.train.out_dir), c.train.epochs)
-        }
+        unfinished = {s for (_, _, s), c in runs.items() if not compare.done(c, final)}
         seeds = [s for s in seeds if s not in unfinished]
         if len(seeds) < 2:
             parser.error(
@@ -505,7 +524,10 @@ def main(argv: list[str] | None = None) -> dict:
             )
         runs = {key: c for key, c in runs.items() if key[2] in seeds}
     started = time.perf_counter()
-    base = compare.run_all(runs, args.out / "runs" / "base" / "eval.json", jobs=args.jobs)
+    base = compare.run_all(runs, args.out / "runs" / "base" / "eval.json", jobs=args.jobs, final=final)
+    base_final = compare.evaluate_base(
+        next(iter(runs.values())), args.out / "runs" / "base" / "final_eval.json", prompts=final
+    )
     results: dict[str, Any] = {"sets": {}}
     curves: dict[str, Any] = {}
     for name in sets:
@@ -514,20 +536,19 @@ def main(argv: list[str] | None = None) -> dict:
             *(f"single:{r}" for r in REWARD_SETS[name] if f"single:{r}" in trained),
             *dict.fromkeys(arm for group, arm, _ in runs if group == name),
         ]
-        histories = {
-            arm: {
-                s: read_metrics(
-                    runs["specialists" if arm.startswith("single:") else name, arm, s].train.out_dir
-                )
-                for s in seeds
-            }
+        runs_of = {
+            arm: {s: Path(runs["specialists" if arm.startswith("single:") else name, arm, s].train.out_dir)
+                  for s in seeds}
             for arm in order
-        }
-        results["sets"][name] = analyse(REWARD_SETS[name], base, histories)
+        }  # fmt: skip
+        histories = {arm: {s: read_metrics(d) for s, d in dirs.items()} for arm, dirs in runs_of.items()}
+        finals = {arm: {s: compare.final_means(d) for s, d in dirs.items()} for arm, dirs in runs_of.items()}
+        results["sets"][name] = analyse(REWARD_SETS[name], base_final, histories, finals)
         curves[name] = histories
     results["command"] = "python -m mogo_diffusion.study " + " ".join(
         argv if argv is not None else sys.argv[1:]
     )
+    results["final_evaluation"] = final
     results["seconds"] = time.perf_counter() - started
     args.out.mkdir(parents=True, exist_ok=True)
     (args.out / "results.json").write_text(json.dumps(results, indent=1) + "\n")

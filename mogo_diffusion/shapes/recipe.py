@@ -46,6 +46,8 @@ from mogo_diffusion.shapes.scenes import MAX_SEQUENCE_LENGTH
 __all__ = [
     "DEFAULT_REWARDS",
     "EVAL_REPEATS",
+    "FINAL_EVAL",
+    "FINAL_REPEATS",
     "LORA_TARGETS",
     "POOL",
     "POOL_COUNTS",
@@ -83,9 +85,17 @@ POOL_COUNTS: dict[str, int] = {
 EVAL_REPEATS = 8
 """Images per caption of :data:`POOL` in the evaluation (each from its own noise)."""
 
+FINAL_REPEATS = 32
+"""Images per caption of :data:`POOL` in the study's final evaluation of each run (:data:`FINAL_EVAL`)."""
+
 POOL = Path(__file__).resolve().parent / "pool.jsonl"
 """The training prompts, :func:`pool` as GenEval JSONL; ``pool_eval.jsonl`` beside it repeats each
 line :data:`EVAL_REPEATS` times."""
+
+FINAL_EVAL = POOL.with_name("pool_final.jsonl")
+""":data:`POOL` with each line :data:`FINAL_REPEATS` times: the study judges a run's last weights on
+these 1024 images, where the 256 of the evaluations during training leave a specialist reward
+(64 images) a sampling error of about 0.05."""
 
 
 def pool(seed: int = 0) -> list[dict[str, Any]]:
@@ -100,11 +110,12 @@ def pool(seed: int = 0) -> list[dict[str, Any]]:
 
 
 def write_pool(directory: Path = POOL.parent) -> None:
-    """Write ``pool.jsonl`` and ``pool_eval.jsonl`` of :func:`pool` into ``directory``."""
+    """Write ``pool.jsonl``, ``pool_eval.jsonl`` and ``pool_final.jsonl`` of :func:`pool` into
+    ``directory``."""
     lines = [json.dumps(m, sort_keys=True) for m in pool()]
     (directory / "pool.jsonl").write_text("\n".join(lines) + "\n")
-    repeated = [line for line in lines for _ in range(EVAL_REPEATS)]
-    (directory / "pool_eval.jsonl").write_text("\n".join(repeated) + "\n")
+    for name, repeats in (("pool_eval.jsonl", EVAL_REPEATS), (FINAL_EVAL.name, FINAL_REPEATS)):
+        (directory / name).write_text("".join(line + "\n" for line in lines for _ in range(repeats)))
 
 
 def reward_specs(names: Sequence[str] = DEFAULT_REWARDS) -> list[dict[str, Any]]:

@@ -175,14 +175,29 @@ def test_the_rewards_of_one_batch_detect_it_once_and_a_changed_batch_again(pool,
 
 
 def test_the_shipped_prompt_pool_is_the_recipes_and_every_reward_applies_to_it(tmp_path):
-    from mogo_diffusion.shapes.recipe import EVAL_REPEATS, POOL, POOL_COUNTS, pool, write_pool
+    from mogo_diffusion.shapes.recipe import (
+        EVAL_REPEATS,
+        FINAL_EVAL,
+        FINAL_REPEATS,
+        POOL,
+        POOL_COUNTS,
+        pool,
+        write_pool,
+    )
 
     write_pool(tmp_path)
-    for name in ("pool.jsonl", "pool_eval.jsonl"):  # the committed files are what pool() draws
+    for name in (
+        "pool.jsonl",
+        "pool_eval.jsonl",
+        FINAL_EVAL.name,
+    ):  # the committed files are what pool() draws
         assert (tmp_path / name).read_text() == POOL.with_name(name).read_text()
     train, held_out = load_prompt_set(POOL), load_prompt_set(POOL.with_name("pool_eval.jsonl"))
     assert len(set(train.prompts)) == len(train.prompts) == sum(POOL_COUNTS.values())
     assert held_out.prompts == [p for p in train.prompts for _ in range(EVAL_REPEATS)]
+    final = load_prompt_set(FINAL_EVAL)
+    assert final.prompts == [p for p in train.prompts for _ in range(FINAL_REPEATS)]
+    assert final.metadata == [m for m in train.metadata for _ in range(FINAL_REPEATS)]
     assert [m["tag"] for m in pool()] == [t for t, n in POOL_COUNTS.items() for _ in range(n)]
     assert set(train.prompts) <= set(load_prompt_set("shapes:train").prompts)
     images = torch.rand(len(train.prompts), 3, 32, 32, generator=torch.Generator().manual_seed(0))

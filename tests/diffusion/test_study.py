@@ -128,17 +128,31 @@ def test_the_quick_study_runs_resumes_and_writes_its_results(tmp_path):
     assert ".. list-table:: The paper's claims." in (tmp_path / "results.rst").read_text()
     assert (tmp_path / "composite.png").stat().st_size > 10_000
     assert (tmp_path / "curves.png").stat().st_size > 10_000
-    metrics = tmp_path / "runs" / "prompt_following" / "marble_n10" / "seed1" / "metrics.jsonl"
-    written = metrics.stat().st_mtime_ns
-    for path in metrics.parent.iterdir():  # a run kept as its metrics alone, as the docs commit them
-        if path != metrics:
+    run = tmp_path / "runs" / "prompt_following" / "marble_n10" / "seed1"
+    final = json.loads((run / compare.FINAL_EVAL).read_text())
+    assert final["num_prompts"] == 24  # judged on the final evaluation's prompts, not the 16 of training's
+    mean, *_ = summary["arms"]["marble_n10"]["vs_base"]["shapes_color"]
+    base_color = summary["base"][summary["rewards"].index("shapes_color")]
+    assert statistics.fmean(summary["arms"]["marble_n10"]["means"]["shapes_color"]) == pytest.approx(
+        base_color + mean
+    )
+    assert final["metrics"]["shapes_color"] in summary["arms"]["marble_n10"]["means"]["shapes_color"]
+    kept = (run / "metrics.jsonl", run / compare.FINAL_EVAL)
+    written = [path.stat().st_mtime_ns for path in kept]
+    for path in run.iterdir():  # a run kept as its metrics and final evaluation, as the docs commit them
+        if path not in kept:
             shutil.rmtree(path) if path.is_dir() else path.unlink()
+    seed0 = run.parent / "seed0"  # finished with its checkpoint, but not evaluated finally
+    (seed0 / compare.FINAL_EVAL).unlink()
+    trained = (seed0 / "metrics.jsonl").stat().st_mtime_ns
     study.main(argv)
-    assert metrics.stat().st_mtime_ns == written  # finished runs are not rerun
+    assert [path.stat().st_mtime_ns for path in kept] == written  # finished runs are not rerun
+    assert json.loads((seed0 / compare.FINAL_EVAL).read_text())["num_prompts"] == 24  # evaluated again,
+    assert (seed0 / "metrics.jsonl").stat().st_mtime_ns == trained  # not trained again
     # A study in progress: with a third seed planned, --no-train reports the two finished ones.
     partial = study.main([*argv[:4], "3", *argv[5:], "--no-train"])
     assert partial["sets"]["prompt_following"]["seeds"] == [0, 1]
-    assert not (metrics.parents[1] / "seed2").exists()
+    assert not (run.parent / "seed2").exists()
     with pytest.raises(SystemExit):
         study.main([*argv[:2], str(tmp_path / "empty"), *argv[3:], "--no-train"])
 
