@@ -67,6 +67,7 @@ __all__ = [
     "final_means",
     "finished",
     "frozen_sections",
+    "last_evaluation",
     "main",
     "summarize",
     "tables",
@@ -242,6 +243,12 @@ def done(config: Config, final: str | None = None) -> bool:
     return finished(run, config.train.epochs) and (final is None or (run / FINAL_EVAL).is_file())
 
 
+def last_evaluation(history: Sequence[Mapping[str, Any]], names: Sequence[str]) -> list[float]:
+    """The held-out means of ``names`` at a run's last evaluation (its metrics records ``history``)."""
+    last = [record for record in history if f"eval/{names[0]}" in record][-1]
+    return [float(last[f"eval/{name}"]) for name in names]
+
+
 def final_means(run: Path) -> dict[str, float]:
     """The held-out means of ``run``'s final evaluation, as ``{"eval/<reward>": mean}`` (NaN where a
     reward applied to no prompt)."""
@@ -316,8 +323,7 @@ def summarize(
     for arm, seeds in records.items():
         table[arm] = {}
         for seed, history in seeds.items():
-            last = [r for r in history if f"eval/{names[0]}" in r][-1]
-            table[arm][seed] = [last[f"eval/{n}"] for n in names]
+            table[arm][seed] = last_evaluation(history, names)
     averaged = {
         arm: [statistics.fmean(v[k] for v in runs.values()) for k in range(len(names))]
         for arm, runs in table.items()

@@ -164,11 +164,9 @@ def analyse(
     seeds = sorted(histories[REFERENCE])
 
     def held_out(arm: str, seed: int) -> list[float]:
-        if finals is not None:
-            record = finals[arm][seed]
-        else:
-            record = [r for r in histories[arm][seed] if f"eval/{names[0]}" in r][-1]
-        return [float(record[f"eval/{name}"]) for name in names]
+        if finals is None:
+            return compare.last_evaluation(histories[arm][seed], names)
+        return [float(finals[arm][seed][f"eval/{name}"]) for name in names]
 
     means = {arm: {s: held_out(arm, s) for s in seeds} for arm in histories}
     base_means = [float(base[f"eval/{name}"]) for name in names]

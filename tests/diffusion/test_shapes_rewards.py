@@ -186,11 +186,8 @@ def test_the_shipped_prompt_pool_is_the_recipes_and_every_reward_applies_to_it(t
     )
 
     write_pool(tmp_path)
-    for name in (
-        "pool.jsonl",
-        "pool_eval.jsonl",
-        FINAL_EVAL.name,
-    ):  # the committed files are what pool() draws
+    shipped = ("pool.jsonl", "pool_eval.jsonl", FINAL_EVAL.name)  # the committed files are pool()'s
+    for name in shipped:
         assert (tmp_path / name).read_text() == POOL.with_name(name).read_text()
     train, held_out = load_prompt_set(POOL), load_prompt_set(POOL.with_name("pool_eval.jsonl"))
     assert len(set(train.prompts)) == len(train.prompts) == sum(POOL_COUNTS.values())
