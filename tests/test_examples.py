@@ -3,6 +3,7 @@
 from __future__ import annotations
 
 import importlib.util
+import json
 import subprocess
 import sys
 from pathlib import Path
@@ -124,3 +125,48 @@ def test_gradient_agreement_measures_cosines_between_independent_batch_gradients
         "distinct_per_group": 1.5,
         "tied_groups": 0.5,
     }  # the last group: one score
+
+
+def test_specialist_budget_changes_only_its_variants_fields_and_judges_by_the_studys_bar(tmp_path):
+    benchmark = load(ROOT / "benchmarks" / "specialist_budget.py")
+    from mogo_diffusion import compare
+
+    runs = benchmark.plan(tmp_path, range(2))
+    assert len(runs) == 2 * sum(len(spec["rewards"]) for spec in benchmark.VARIANTS.values())
+    for (variant, reward, seed), config in runs.items():
+        spec = benchmark.VARIANTS[variant]
+        study = compare.arm_config(
+            f"single:{reward}", seed, Path(config.train.out_dir), epochs=spec["epochs"]
+        ).to_dict()
+        data = config.to_dict()
+        changed = {
+            (section, key)
+            for section in data
+            if isinstance(data[section], dict)
+            for key in data[section]
+            if data[section][key] != study[section].get(key)
+        }
+        expected = {(s, k) for s in benchmark.SECTIONS for k in spec.get(s, {})}
+        assert changed == expected | ({("sampling", "prompts")} if "tag" in spec else set())
+    prompts = Path(runs["count_prompts_only", "shapes_count", 0].sampling.prompts).read_text().splitlines()
+    assert len(prompts) == 8
+    assert {json.loads(line)["tag"] for line in prompts} == {"counting"}
+
+    step = {"shapes_shape": 0.1, "shapes_count": 0.02}  # seeds 0 and 1: shape 0.40/0.50, count 0.30/0.32
+    for (_, reward, seed), config in runs.items():
+        value = {"shapes_shape": 0.40, "shapes_count": 0.30}[reward] + seed * step[reward]
+        run = Path(config.train.out_dir)
+        run.mkdir(parents=True)
+        (run / compare.FINAL_EVAL).write_text(json.dumps({"metrics": {reward: value}}))
+    rows = benchmark.table(runs, {"eval/shapes_shape": 0.38, "eval/shapes_count": 0.14})
+    shape = next(r for r in rows if r["variant"] == "epochs_120" and r["reward"] == "shapes_shape")
+    assert shape["images"] == 120 * 64
+    assert shape["gain"] == pytest.approx(0.45 - 0.38)
+    assert shape["bar"] == pytest.approx(3 * 0.1 / 2**0.5)  # sample std of two seeds 0.1 apart
+    assert not shape["clears"]
+    count = next(r for r in rows if r["variant"] == "count_prompts_only")
+    assert count["bar"] == pytest.approx(0.06)  # the floor: 3 x 0.02
+    assert count["clears"]
+    assert count["ratio"] == pytest.approx(0.17 / (0.02 / 2**0.5))
+    assert "| batch_128 | shapes_count | 7680 |" in benchmark.markdown(rows)
+    assert "   * - batch_128\n     - shapes_count\n     - 7680\n" in benchmark.rst(rows)

@@ -1,0 +1,174 @@
+"""Does a larger budget let the shape and count specialists clear the study's bar?
+
+The study (``python -m mogo_diffusion.study``) asks of every single-reward specialist a gain over
+the pretrained model of at least ``3 max(seed std, 0.02)`` on its own reward
+(:func:`mogo_diffusion.study.specialist_gains`). At the study's 60 epochs shape and count fall
+short. Each variant below trains that specialist with the study's config (``compare.arm_config``)
+and one change, five seeds, and judges each run as the study does: its last weights on
+``pool_final.jsonl`` (1024 images), against the pretrained model from the same noise.
+
+    variant                      reward        change from the study's specialist
+    count_prompts_only           count         every epoch samples the 8 counting captions only
+                                               (64 counting images a step, not about 16)
+    epochs_120                   shape, count  120 epochs (twice the images and the steps)
+    batch_128                    shape, count  16 prompts x 8 images, one step of 128 an epoch
+                                               (twice the images, the same 60 steps)
+    batch_128_epochs_120         shape, count  both: 120 steps of 128 (four times the images)
+    batch_128_kl_0.1             shape, count  batch_128 with a KL anchor to the pretrained
+    batch_128_kl_0.03            shape, count  velocity, ``kl_coef * mean (v - v_ref)^2``,
+    batch_128_kl_1               count         kl_coef 0.1, 0.03, 1 (the study's: 0)
+    batch_128_epochs_120_kl_0.03 shape, count  120 steps of 128 with the anchor at 0.03
+
+If a step's gradient is signal plus independent noise, the specialist's drift grows with the
+number of steps and its seed spread with their square root, so ``gain / std`` grows as the square
+root of the images trained on, whatever the split into steps; the table's last column is that ratio
+(the bar asks for 3).
+
+    python benchmarks/specialist_budget.py --out docs/_generated/specialist_budget --jobs 2
+
+Finished runs are not rerun; the runs are ``OUT/runs/<variant>/<reward>/seed<s>``, the table
+``OUT/results.md`` (``.rst``) and ``OUT/results.json``.
+"""
+
+from __future__ import annotations
+
+import argparse
+import json
+import math
+from collections.abc import Mapping
+from pathlib import Path
+from typing import Any
+
+from mogo_diffusion import compare
+from mogo_diffusion.config import Config
+from mogo_diffusion.shapes.recipe import FINAL_EVAL, POOL
+from mogo_diffusion.study import specialist_gains
+
+VARIANTS: dict[str, dict[str, Any]] = {
+    "count_prompts_only": {"rewards": ("shapes_count",), "epochs": 60, "tag": "counting"},
+    "epochs_120": {"rewards": ("shapes_shape", "shapes_count"), "epochs": 120},
+    "batch_128": {
+        "rewards": ("shapes_shape", "shapes_count"), "epochs": 60,
+        "sampling": {"prompts_per_epoch": 16}, "train": {"batch_size": 128},
+    },
+    "batch_128_epochs_120": {
+        "rewards": ("shapes_shape", "shapes_count"), "epochs": 120,
+        "sampling": {"prompts_per_epoch": 16}, "train": {"batch_size": 128},
+    },
+    **{
+        f"batch_128_kl_{kl_coef:g}": {
+            "rewards": ("shapes_shape", "shapes_count"), "epochs": 60, "nft": {"kl_coef": kl_coef},
+            "sampling": {"prompts_per_epoch": 16}, "train": {"batch_size": 128},
+        }
+        for kl_coef in (0.1, 0.03)
+    },
+    "batch_128_kl_1": {
+        "rewards": ("shapes_count",), "epochs": 60, "nft": {"kl_coef": 1.0},
+        "sampling": {"prompts_per_epoch": 16}, "train": {"batch_size": 128},
+    },
+    "batch_128_epochs_120_kl_0.03": {
+        "rewards": ("shapes_shape", "shapes_count"), "epochs": 120, "nft": {"kl_coef": 0.03},
+        "sampling": {"prompts_per_epoch": 16}, "train": {"batch_size": 128},
+    },
+}  # fmt: skip
+"""Each variant: the specialists it trains, its epochs, and its changes to the study's config
+(the fields of :data:`SECTIONS`; ``tag``: train on the pool's captions of that GenEval tag only)."""
+
+SECTIONS = ("sampling", "nft", "train")
+"""The config sections a variant may change."""
+
+
+def tag_prompts(tag: str, out: Path) -> Path:
+    """The captions of :data:`~mogo_diffusion.shapes.recipe.POOL` whose tag is ``tag``, written
+    as GenEval JSONL to ``out/prompts/pool_<tag>.jsonl``."""
+    lines = [line for line in POOL.read_text().splitlines() if json.loads(line)["tag"] == tag]
+    if not lines:
+        raise ValueError(f"the pool has no captions tagged {tag!r}")
+    path = out / "prompts" / f"pool_{tag}.jsonl"
+    path.parent.mkdir(parents=True, exist_ok=True)
+    path.write_text("\n".join(lines) + "\n")
+    return path
+
+
+def plan(out: Path, seeds: range) -> dict[tuple[str, str, int], Config]:
+    """Every run, ``(variant, reward, seed) -> config``."""
+    runs = {}
+    for variant, spec in VARIANTS.items():
+        for reward in spec["rewards"]:
+            for seed in seeds:
+                run = out / "runs" / variant / reward / f"seed{seed}"
+                data = compare.arm_config(f"single:{reward}", seed, run, epochs=spec["epochs"]).to_dict()
+                for section in SECTIONS:
+                    data[section].update(spec.get(section, {}))
+                if "tag" in spec:
+                    data["sampling"]["prompts"] = str(tag_prompts(spec["tag"], out))
+                runs[variant, reward, seed] = Config.from_dict(data)
+    return runs
+
+
+def table(runs: Mapping[tuple[str, str, int], Config], base: Mapping[str, float]) -> list[dict[str, Any]]:
+    """One row per variant and reward: each seed's final mean and the study's bar."""
+    rows = []
+    for variant, spec in VARIANTS.items():
+        for reward in spec["rewards"]:
+            configs = [c for (v, r, _), c in runs.items() if (v, r) == (variant, reward)]
+            values = [compare.final_means(Path(c.train.out_dir))[f"eval/{reward}"] for c in configs]
+            summary = {"rewards": [reward], "base": [base[f"eval/{reward}"]],
+                       "arms": {f"single:{reward}": {"means": {reward: values}}}}  # fmt: skip
+            gain = specialist_gains(summary)[reward]
+            first = configs[0]
+            images = first.train.epochs * first.sampling.prompts_per_epoch * first.sampling.group_size
+            ratio = gain["gain"] / gain["std"] if gain["std"] > 0 else math.inf
+            rows.append({"variant": variant, "reward": reward, "images": images, "seeds": values,
+                         **gain, "ratio": ratio})  # fmt: skip
+    return rows
+
+
+HEADER = ("variant", "reward", "images", "seeds", "mean", "gain", "seed std", "bar", "clears", "gain / std")
+
+
+def cells(row: Mapping[str, Any]) -> list[str]:
+    """One row of the table as text, in :data:`HEADER`'s order."""
+    seeds = ", ".join(f"{v:.3f}" for v in row["seeds"])
+    return [row["variant"], row["reward"], str(row["images"]), seeds, f"{row['mean']:.3f}",
+            f"{row['gain']:+.3f}", f"{row['std']:.3f}", f"{row['bar']:.3f}",
+            "yes" if row["clears"] else "no", f"{row['ratio']:.1f}"]  # fmt: skip
+
+
+def markdown(rows: list[dict[str, Any]]) -> str:
+    lines = ["| " + " | ".join(HEADER) + " |", "|" + "---|" * len(HEADER)]
+    lines += ["| " + " | ".join(cells(row)) + " |" for row in rows]
+    return "\n".join(lines) + "\n"
+
+
+def rst(rows: list[dict[str, Any]]) -> str:
+    """The table as an RST list-table (the docs include it)."""
+    lines = [".. list-table::", "   :header-rows: 1", ""]
+    for row in [list(HEADER), *map(cells, rows)]:
+        lines += [f"   * - {row[0]}", *(f"     - {cell}" for cell in row[1:])]
+    return "\n".join(lines) + "\n"
+
+
+def main(argv: list[str] | None = None) -> list[dict[str, Any]]:
+    parser = argparse.ArgumentParser(description=__doc__.splitlines()[0])
+    parser.add_argument("--out", type=Path, default=Path("runs/specialist_budget"), help="output directory")
+    parser.add_argument("--seeds", type=int, default=5, help="seeds 0..N-1 per variant (at least 2)")
+    parser.add_argument("--jobs", type=int, default=2, help="runs at once, one thread each")
+    args = parser.parse_args(argv)
+    if args.seeds < 2:
+        parser.error("--seeds must be at least 2: the bar needs a seed std")
+    runs = plan(args.out, range(args.seeds))
+    compare.run_all(runs, args.out / "runs" / "base" / "eval.json", jobs=args.jobs, final=str(FINAL_EVAL))
+    base = compare.evaluate_base(
+        next(iter(runs.values())), args.out / "runs" / "base" / "final_eval.json", prompts=str(FINAL_EVAL)
+    )
+    rows = table(runs, base)
+    (args.out / "results.json").write_text(json.dumps(rows, indent=1) + "\n")
+    (args.out / "results.md").write_text(markdown(rows))
+    (args.out / "results.rst").write_text(rst(rows))
+    print(markdown(rows))
+    return rows
+
+
+if __name__ == "__main__":
+    main()
