@@ -67,7 +67,7 @@ VARIANTS: dict[str, dict[str, Any]] = {
         "sampling": {"prompts_per_epoch": 16}, "train": {"batch_size": 128},
     },
     "batch_128_epochs_120_kl_0.03": {
-        "rewards": ("shapes_shape", "shapes_count"), "epochs": 120, "nft": {"kl_coef": 0.03},
+        "rewards": ("shapes_count", "shapes_shape"), "epochs": 120, "nft": {"kl_coef": 0.03},
         "sampling": {"prompts_per_epoch": 16}, "train": {"batch_size": 128},
     },
 }  # fmt: skip
