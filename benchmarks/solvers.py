@@ -30,6 +30,7 @@ from peers import PEERS, Solver
 
 import mogo
 from mogo.testing import FAMILIES, gradient_family
+from mogo_diffusion.tables import markdown_table, rst_table
 
 SLOW = {"cvxpy", "qpth", "mogo qpth"}  # timed once per problem; the rest until TIME_BUDGET_S
 TIME_BUDGET_S = 0.01
@@ -173,16 +174,11 @@ def family_table(records: list[dict], solvers: list[str]) -> tuple[list[str], li
 
 
 def markdown(header: list[str], rows: list[list[str]]) -> str:
-    lines = ["| " + " | ".join(header) + " |", "|" + "|".join("---" for _ in header) + "|"]
-    return "\n".join(lines + ["| " + " | ".join(row) + " |" for row in rows])
+    return markdown_table([header, *rows])
 
 
 def rst(header: list[str], rows: list[list[str]]) -> str:
-    lines = [".. list-table::", "   :header-rows: 1", ""]
-    for row in [header, *rows]:
-        lines.append("   * - " + row[0])
-        lines.extend(f"     - {cell}" for cell in row[1:])
-    return "\n".join(lines) + "\n"
+    return rst_table([header, *rows]) + "\n"
 
 
 def figure(records: list[dict], solvers: list[str], sizes: list[int], path: Path) -> None:

@@ -43,32 +43,30 @@ from mogo_diffusion import compare
 from mogo_diffusion.config import Config
 from mogo_diffusion.shapes.recipe import FINAL_EVAL, POOL
 from mogo_diffusion.study import specialist_gains
+from mogo_diffusion.tables import markdown_table, rst_table
+
+STEPS_OF_128: dict[str, Any] = {"sampling": {"prompts_per_epoch": 16}, "train": {"batch_size": 128}}
+"""16 prompts x 8 images an epoch, trained as one step of 128."""
 
 VARIANTS: dict[str, dict[str, Any]] = {
     "count_prompts_only": {"rewards": ("shapes_count",), "epochs": 60, "tag": "counting"},
     "epochs_120": {"rewards": ("shapes_shape", "shapes_count"), "epochs": 120},
-    "batch_128": {
-        "rewards": ("shapes_shape", "shapes_count"), "epochs": 60,
-        "sampling": {"prompts_per_epoch": 16}, "train": {"batch_size": 128},
-    },
-    "batch_128_epochs_120": {
-        "rewards": ("shapes_shape", "shapes_count"), "epochs": 120,
-        "sampling": {"prompts_per_epoch": 16}, "train": {"batch_size": 128},
-    },
+    "batch_128": {"rewards": ("shapes_shape", "shapes_count"), "epochs": 60, **STEPS_OF_128},
+    "batch_128_epochs_120": {"rewards": ("shapes_shape", "shapes_count"), "epochs": 120, **STEPS_OF_128},
     **{
         f"batch_128_kl_{kl_coef:g}": {
             "rewards": ("shapes_shape", "shapes_count"), "epochs": 60, "nft": {"kl_coef": kl_coef},
-            "sampling": {"prompts_per_epoch": 16}, "train": {"batch_size": 128},
+            **STEPS_OF_128,
         }
         for kl_coef in (0.1, 0.03)
     },
     "batch_128_kl_1": {
         "rewards": ("shapes_count",), "epochs": 60, "nft": {"kl_coef": 1.0},
-        "sampling": {"prompts_per_epoch": 16}, "train": {"batch_size": 128},
+        **STEPS_OF_128,
     },
     "batch_128_epochs_120_kl_0.03": {
         "rewards": ("shapes_count", "shapes_shape"), "epochs": 120, "nft": {"kl_coef": 0.03},
-        "sampling": {"prompts_per_epoch": 16}, "train": {"batch_size": 128},
+        **STEPS_OF_128,
     },
 }  # fmt: skip
 """Each variant: the specialists it trains, its epochs, and its changes to the study's config
@@ -136,17 +134,12 @@ def cells(row: Mapping[str, Any]) -> list[str]:
 
 
 def markdown(rows: list[dict[str, Any]]) -> str:
-    lines = ["| " + " | ".join(HEADER) + " |", "|" + "---|" * len(HEADER)]
-    lines += ["| " + " | ".join(cells(row)) + " |" for row in rows]
-    return "\n".join(lines) + "\n"
+    return markdown_table([HEADER, *map(cells, rows)]) + "\n"
 
 
 def rst(rows: list[dict[str, Any]]) -> str:
     """The table as an RST list-table (the docs include it)."""
-    lines = [".. list-table::", "   :header-rows: 1", ""]
-    for row in [list(HEADER), *map(cells, rows)]:
-        lines += [f"   * - {row[0]}", *(f"     - {cell}" for cell in row[1:])]
-    return "\n".join(lines) + "\n"
+    return rst_table([HEADER, *map(cells, rows)]) + "\n"
 
 
 def main(argv: list[str] | None = None) -> list[dict[str, Any]]:

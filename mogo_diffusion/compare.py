@@ -52,6 +52,7 @@ import mogo
 from mogo_diffusion.config import Config
 from mogo_diffusion.evaluate import composite_zscores, read_metrics, reward_zscores
 from mogo_diffusion.shapes.recipe import REWARDS, reward_specs, shapes_config
+from mogo_diffusion.tables import markdown_table, rst_table
 
 __all__ = [
     "ABLATIONS",
@@ -388,22 +389,12 @@ def tables(summary: dict) -> list[list[list[str]]]:
 
 
 def _markdown(summary: dict) -> str:
-    blocks = []
-    for header, *rows in tables(summary):
-        lines = ["| " + " | ".join(header) + " |", "|---" * len(header) + "|"]
-        blocks.append("\n".join(lines + ["| " + " | ".join(row) + " |" for row in rows]))
-    return "\n\n".join(blocks) + "\n"
+    return "\n\n".join(map(markdown_table, tables(summary))) + "\n"
 
 
 def _rst(summary: dict) -> str:
     """The tables as reStructuredText list-tables (for the docs)."""
-    blocks = []
-    for table in tables(summary):
-        lines = [".. list-table::", "   :header-rows: 1", ""]
-        for row in table:
-            lines += [f"   * - {row[0]}", *(f"     - {cell or ' '}" for cell in row[1:])]
-        blocks.append("\n".join(lines))
-    return "\n\n".join(blocks) + "\n"
+    return "\n\n".join(map(rst_table, tables(summary))) + "\n"
 
 
 def _figures(summary: dict, records: dict[str, dict[int, list[dict]]], out: Path, tradeoff: str) -> None:

@@ -63,6 +63,7 @@ from mogo_diffusion.bootstrap import Interval, bootstrap_interval, paired_interv
 from mogo_diffusion.config import Config
 from mogo_diffusion.evaluate import composite_zscores, read_metrics
 from mogo_diffusion.shapes.recipe import FINAL_EVAL, REWARDS
+from mogo_diffusion.tables import markdown_table, rst_table
 
 __all__ = [
     "ARMS",
@@ -341,8 +342,7 @@ def _markdown(results: Mapping[str, Any]) -> str:
     for name, summary in results["sets"].items():
         lines += [f"## {name}", ""]
         for caption, rows in _tables(summary):
-            lines += [caption, "", "| " + " | ".join(rows[0]) + " |", "|---" * len(rows[0]) + "|"]
-            lines += ["| " + " | ".join(row) + " |" for row in rows[1:]] + [""]
+            lines += [caption, "", markdown_table(rows), ""]
     return "\n".join(lines)
 
 
@@ -351,11 +351,7 @@ def _rst(results: Mapping[str, Any]) -> str:
     blocks = [f"Command: ``{results['command']}``", _judged(results)]
     for name, summary in results["sets"].items():
         blocks.append(f"**{name}**")
-        for caption, rows in _tables(summary):
-            lines = [".. list-table:: " + caption, "   :header-rows: 1", ""]
-            for row in rows:
-                lines += [f"   * - {row[0]}", *(f"     - {cell or ' '}" for cell in row[1:])]
-            blocks.append("\n".join(lines))
+        blocks += [rst_table(rows, caption) for caption, rows in _tables(summary)]
     return "\n\n".join(blocks) + "\n"
 
 
