@@ -107,8 +107,8 @@ WEIGHTING_ARMS = ("upgrad", "cagrad")
 (``<name>_n10``: re-solved every 10 steps, EMA 0.9); any registered weighting runs as an arm by name."""
 
 
-EPOCHS = 60
-"""Epochs per run of the comparison and the study, the default run's (60 optimizer steps of 64 images)."""
+EPOCHS = 120
+"""Epochs per run of the comparison and the study, the default run's (120 optimizer steps of 128 images)."""
 
 EVALUATIONS = 3
 """Evaluations per run (the last one is the result), so that each run has a learning curve."""

@@ -1,6 +1,6 @@
 #!/usr/bin/env bash
 # The main demo on its embedded default: set-up, then MARBLE multi-reward fine-tuning of the
-# shipped shapes-world SD3 (about 2.5 CPU minutes), writing into runs/shapes-marble.
+# shipped shapes-world SD3 (about 10 CPU minutes), writing into runs/shapes-marble.
 # Extra arguments go to the command, e.g. `scripts/demo.sh --set train.epochs=10`.
 set -euo pipefail
 cd "$(dirname "${BASH_SOURCE[0]}")/.."

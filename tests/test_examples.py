@@ -138,6 +138,8 @@ def test_specialist_budget_changes_only_its_variants_fields_and_judges_by_the_st
         study = compare.arm_config(
             f"single:{reward}", seed, Path(config.train.out_dir), epochs=spec["epochs"]
         ).to_dict()
+        for section, values in benchmark.STUDY_60.items():  # the 60-epoch study the variants left
+            study[section].update(values)
         data = config.to_dict()
         changed = {
             (section, key)
@@ -148,6 +150,10 @@ def test_specialist_budget_changes_only_its_variants_fields_and_judges_by_the_st
         }
         expected = {(s, k) for s in benchmark.SECTIONS for k in spec.get(s, {})}
         assert changed == expected | ({("sampling", "prompts")} if "tag" in spec else set())
+    for (variant, reward, seed), config in runs.items():  # the variant the recipe took: the study's runs
+        if variant == "batch_128_epochs_120_kl_0.03":
+            study = compare.arm_config(f"single:{reward}", seed, Path(config.train.out_dir))
+            assert config.to_dict() == study.to_dict()
     prompts = Path(runs["count_prompts_only", "shapes_count", 0].sampling.prompts).read_text().splitlines()
     assert len(prompts) == 8
     assert {json.loads(line)["tag"] for line in prompts} == {"counting"}
