@@ -22,8 +22,8 @@ draw the learning curves. For each set, arm and reward the study reports the hel
 paired by seed, the mean difference to the weighted sum with its 95 % bootstrap interval
 (:mod:`mogo_diffusion.bootstrap`); the same for the composite (each run's mean z-score over the
 set's rewards, standardised by the arms' seed-averaged means, the pretrained model included).
-Each of the paper's claims gets "reproduced", "not reproduced" or "undecided (CI spans 0)", with
-its numbers:
+Each of the paper's claims gets "reproduced", "not reproduced" or "undecided (CI spans 0)" (or
+the claim's other threshold), with its numbers:
 
 (a) MARBLE (``marble_n10``) improves every reward over the pretrained model: every interval of
     its difference to the pretrained model above 0;
@@ -223,12 +223,12 @@ def _interval(values: Sequence[float], reference: Sequence[float] | float, arm: 
 
 def _verdict(intervals: Sequence[Sequence[float]], *, threshold: float = 0.0) -> str:
     """ "reproduced" if every interval lies above ``threshold``, "not reproduced" if one lies below
-    it, else "undecided (CI spans 0)"."""
+    it, else "undecided (CI spans <threshold>)"."""
     if all(low > threshold for _, low, _ in intervals):
         return "reproduced"
     if any(high < threshold for _, _, high in intervals):
         return "not reproduced"
-    return "undecided (CI spans 0)"
+    return f"undecided (CI spans {threshold:g})"
 
 
 def _as_list(interval: Interval) -> list[float]:
