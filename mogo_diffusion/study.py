@@ -22,8 +22,8 @@ draw the learning curves. For each set, arm and reward the study reports the hel
 paired by seed, the mean difference to the weighted sum with its 95 % bootstrap interval
 (:mod:`mogo_diffusion.bootstrap`); the same for the composite (each run's mean z-score over the
 set's rewards, standardised by the arms' seed-averaged means, the pretrained model included).
-Each of the paper's claims gets "reproduced", "not reproduced" or "undecided (CI spans 0)" (or
-the claim's other threshold), with its numbers:
+Each of the paper's claims gets "reproduced", "not reproduced" or "undecided (CI spans T)", where
+T is the claim's threshold below (0, 1/2 for (c), 0.97 for (e)), with its numbers:
 
 (a) MARBLE (``marble_n10``) improves every reward over the pretrained model: every interval of
     its difference to the pretrained model above 0;
