@@ -51,8 +51,8 @@ def test_arms_differ_only_in_their_strategy(tmp_path):
     assert ablations["marble_n10_neutral"].nft.nonapplicable == "neutral"
     assert configs["marble_n10"].nft.nonapplicable == "exclude"
     assert ablations["marble_n10_noema"].strategy.alpha_ema == 0.0
-    # the default run is the study's neutral MARBLE arm on the prompt-following rewards, seed 0
-    demo = compare.arm_config("marble_n10_neutral", 0, tmp_path, rewards=DEFAULT_REWARDS).to_dict()
+    # the default run is the study's amortized MARBLE arm on the prompt-following rewards, seed 0
+    demo = compare.arm_config("marble_n10", 0, tmp_path, rewards=DEFAULT_REWARDS).to_dict()
     differ = {k for k in base["train"] if demo["train"][k] != base["train"][k]}
     assert {k: v for k, v in demo.items() if k != "train"} == {k: v for k, v in base.items() if k != "train"}
     assert differ == {"out_dir", "checkpoint_every", "eval_every"}  # the demo evaluates more often
