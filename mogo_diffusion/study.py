@@ -38,8 +38,8 @@ T is the claim's threshold below (0, 1/2 for (c), 0.97 for (e)), with its number
 
 ``OUT`` gets ``results.json``, ``results.md`` and ``results.rst`` (the same tables, for the
 docs), ``composite.png`` (the composite differences with their intervals) and ``curves.png`` (each
-reward's held-out mean for its specialist, the weighted sum and MARBLE, against epochs and against
-minutes of training).
+reward's held-out mean for its specialist, and for the weighted sum and MARBLE on the widest reward
+set, against epochs and against minutes of training).
 """
 
 from __future__ import annotations
@@ -409,12 +409,13 @@ def _curves(
     base: Mapping[str, float],
     histories: Mapping[str, Mapping[int, Sequence[Mapping[str, Any]]]],
     path: Path,
+    title: str,
 ) -> None:
     """One column per reward: its held-out mean at every evaluation, for each seed of its
     specialist (thin) and averaged over seeds for the specialist, :data:`REFERENCE` and
     :data:`MARBLE`, with the pretrained model's value dashed; against epochs in the top row (the
     recipe's epoch is one optimizer step), against the minutes of training (the epochs' summed
-    ``seconds`` of one thread, evaluation excluded) in the bottom row."""
+    ``seconds`` of one thread, evaluation excluded) in the bottom row; ``title`` above."""
     import matplotlib
 
     matplotlib.use("Agg")
@@ -445,6 +446,7 @@ def _curves(
     for row in axes:
         row[0].set_ylabel("held-out mean", fontsize=8)
     axes[0][-1].legend(fontsize=7)
+    figure.suptitle(title, fontsize=10)
     figure.tight_layout()
     figure.savefig(path, dpi=120)
     plt.close(figure)
@@ -550,7 +552,8 @@ def main(argv: list[str] | None = None) -> dict:
     (args.out / "results.rst").write_text(_rst(results))
     _figure(results, args.out / "composite.png")
     widest = max(sets, key=lambda name: len(REWARD_SETS[name]))
-    _curves(REWARD_SETS[widest], base, curves[widest], args.out / "curves.png")
+    title = f"{widest}: each specialist on its own reward, {REFERENCE} and {MARBLE} on all of them"
+    _curves(REWARD_SETS[widest], base, curves[widest], args.out / "curves.png", title)
     tqdm.write(_markdown(results))
     return results
 
