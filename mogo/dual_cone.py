@@ -35,6 +35,10 @@ from mogo.solvers import SolverError, _check_shape, _Output, _precision, _prepar
 __all__ = ["DualConeResult", "project_dual_cone"]
 
 DEFAULT_TOL = 1e-12
+# Rank test of a passive set, per column of the unit-diagonal Gram matrix: a column whose Schur
+# complement against the others is at most 100 K float64 round-offs (the asymmetry min_norm
+# tolerates in a float64 G) counts as dependent on them.
+RANK_TOL = 100.0 * float(np.finfo(np.float64).eps)
 
 
 class DualConeResult(NamedTuple):
@@ -88,9 +92,9 @@ def project_dual_cone(
         >>> result.weights  # row i: v with J^T v the projection of g_i
         tensor([[1.0000, 0.5000],
                 [1.0000, 1.0000]], dtype=torch.float64)
-        >>> J @ (J.T @ result.weights.T)  # every projection is at 90 degrees or less to both
-        tensor([[0.5000, 0.0000],
-                [0.0000, 1.0000]], dtype=torch.float64)
+        >>> inner = J @ (J.T @ result.weights.T)  # <g_k, projection of g_i>, zero up to round-off
+        >>> bool((inner >= -1e-15).all())  # every projection is at 90 degrees or less to both
+        True
     """
     if not tol > 0:
         raise ValueError(f"tol must be positive, got {tol}")
@@ -174,25 +178,59 @@ def project_dual_cone(
     )
 
 
-def _solve_passive(G: np.ndarray, rhs: np.ndarray, passive: np.ndarray, *, exact: bool = False) -> np.ndarray:
-    """``z`` (B, K) with ``G_PP z_P = rhs_P`` and ``z = 0`` off each problem's passive set ``P``.
+def _independent_subset(G: np.ndarray, candidates: np.ndarray) -> np.ndarray:
+    """A maximal numerically independent subset (B, K) of each problem's ``candidates`` (B, K).
 
-    Coordinates outside ``P`` get identity rows. Lawson-Hanson keeps the columns of ``P``
-    independent, so the systems are regular; one that round-off made singular is solved in the
-    least-squares sense, which the KKT certificate then judges (``exact``: raise
-    ``LinAlgError`` instead).
+    Greedy pivoted Cholesky (as LAPACK's ``pstrf``): each pass takes the candidate with the
+    largest Schur complement ``s_j = G_jj - G_jS G_SS^-1 G_Sj`` against the columns ``S`` taken
+    so far, while it exceeds ``RANK_TOL * K``: a column below lies closer to their span than
+    float64 round-off in ``G`` can tell apart.
     """
-    K = G.shape[1]
+    B, K = candidates.shape
+    rank_tol = RANK_TOL * K
+    rows = np.arange(B)
+    schur = np.where(candidates, G.diagonal(axis1=1, axis2=2), 0.0)
+    factor = np.zeros((B, K, 0))  # columns of the Cholesky factor of the columns taken
+    taken = np.zeros_like(candidates)
+    for _ in range(K):
+        pivot = schur.argmax(axis=-1)
+        grow = schur[rows, pivot] > rank_tol
+        if not grow.any():
+            break
+        column_of_G = G[rows if len(G) > 1 else 0, :, pivot]  # (B, K)
+        column = column_of_G - np.matmul(factor, factor[rows, pivot][:, :, None])[:, :, 0]
+        column /= np.sqrt(np.where(grow, schur[rows, pivot], 1.0))[:, None]
+        column[~grow] = 0.0
+        factor = np.concatenate([factor, column[:, :, None]], axis=-1)
+        taken[rows[grow], pivot[grow]] = True
+        schur = np.where(candidates & ~taken, schur - column**2, 0.0)
+    return taken
+
+
+def _solve_passive(
+    G: np.ndarray, rhs: np.ndarray, passive: np.ndarray, *, least_squares: bool = True
+) -> tuple[np.ndarray, np.ndarray]:
+    """``z`` (B, K) with ``G_PP z_P = rhs_P`` and ``z = 0`` off each problem's passive set ``P``,
+    and whether each ``P`` passed the rank test (B,).
+
+    The test: the Cholesky factorisation of ``G_PP`` exists and every pivot, the Schur
+    complement of a column against the columns of ``P`` before it, exceeds ``RANK_TOL * K``
+    (a subset of a set that passes passes too). Coordinates outside ``P`` get identity rows.
+    Where the test fails, ``z`` is the least-squares solution (``least_squares``), or
+    meaningless for the caller to replace.
+    """
+    B, K = rhs.shape
     A = np.where(passive[:, :, None] & passive[:, None, :], G, 0.0)
-    A.reshape(len(A), -1)[:, :: K + 1] += ~passive
-    b = np.where(passive, rhs, 0.0)[:, :, None]
-    try:
-        z = np.linalg.solve(A, b)[:, :, 0]
-    except np.linalg.LinAlgError:
-        if exact:
-            raise
-        z = np.matmul(np.linalg.pinv(A, hermitian=True), b)[:, :, 0]
-    return np.where(passive, z, 0.0)
+    A.reshape(B, -1)[:, :: K + 1] += ~passive
+    b = torch.from_numpy(np.where(passive, rhs, 0.0)[:, :, None])
+    factor, info = torch.linalg.cholesky_ex(torch.from_numpy(A))
+    pivots = factor.diagonal(dim1=-2, dim2=-1).numpy() ** 2
+    independent = (info == 0).numpy() & (pivots.min(axis=-1) > RANK_TOL * K)
+    z = torch.cholesky_solve(b, factor)[:, :, 0].numpy()
+    if least_squares and not independent.all():
+        failed = ~independent
+        z[failed] = np.matmul(np.linalg.pinv(A[failed], hermitian=True), b.numpy()[failed])[:, :, 0]
+    return np.where(passive, z, 0.0), independent
 
 
 def _lawson_hanson(
@@ -203,29 +241,36 @@ def _lawson_hanson(
 
     Returns ``x`` (B, K), ``g = G (u + x)`` (B, K), the passive sets ``x > 0`` (B, K) and the linear
     solves per problem (B,). The stationarity condition on the passive set is
-    ``G_PP x_P = rhs_P``. The first passive set holds every violated constraint at ``x = 0`` (for
-    UPGrad: the gradients that conflict with ``g_i``), which is often the optimal one; where its
-    solution is not positive, its positive part is a feasible start for the minor cycles.
+    ``G_PP x_P = rhs_P``, which has one solution only while the columns of ``P`` are independent:
+    Lawson-Hanson keeps them so in exact arithmetic, and here a rank test with a tolerance keeps
+    them so in floating point, whatever the BLAS (a singular system is not always flagged by an
+    LU solve). The first passive set is a maximal independent subset of the constraints violated
+    at ``x = 0`` (for UPGrad: the gradients that conflict with ``g_i``), often the optimal set;
+    where its solution is not positive, its positive part is a feasible start for the minor
+    cycles. A constraint is added only where its column is independent of the passive set: a
+    dependent one cannot be violated in exact arithmetic (its ``g_j`` is a combination of the
+    passive ``g_P = 0``), so its violation is round-off, and that problem stops for the KKT
+    certificate to judge.
     """
     B, K = rhs.shape
     rows = np.arange(B)
-    passive = rhs > tol * size[:, None]
-    done = ~passive.any(axis=-1)
+    violated = rhs > tol * size[:, None]
+    done = ~violated.any(axis=-1)
     x = np.zeros((B, K))
     iterations = np.zeros(B, dtype=np.int64)
     if done.all():
-        return x, -rhs, passive, iterations
+        return x, -rhs, violated, iterations
+    passive = violated
+    z, independent = _solve_passive(G, rhs, passive, least_squares=False)
+    if not independent.all():
+        dependent = np.flatnonzero(~independent)
+        own = G if len(G) == 1 else G[dependent]
+        passive[dependent] = _independent_subset(own, passive[dependent])
+        z[dependent], _ = _solve_passive(own, rhs[dependent], passive[dependent])
     # Shrink it to the coordinates its solution keeps positive until that solution is positive
     # throughout (each solve drops several at once; at most K solves): an exact minimiser on its
-    # passive set, where Lawson-Hanson's major cycles start.
-    try:
-        z = _solve_passive(G, rhs, passive, exact=True)
-    except np.linalg.LinAlgError:
-        # Dependent constraints (duplicated gradients, say): start as Lawson-Hanson does, from
-        # the most violated one alone.
-        passive = np.zeros_like(passive)
-        passive[rows, rhs.argmax(axis=-1)] = ~done
-        z = _solve_passive(G, rhs, passive)
+    # passive set, where Lawson-Hanson's major cycles start. Subsets of an independent set stay
+    # independent.
     iterations += ~done
     interior = done.copy()
     for _ in range(K):
@@ -234,7 +279,7 @@ def _lawson_hanson(
         passive &= positive
         if interior.all():
             break
-        z = _solve_passive(G, rhs, passive)
+        z, _ = _solve_passive(G, rhs, passive)
         iterations += ~interior
     x = np.where(passive, z, 0.0)
     for _ in range(max_iter - 1):
@@ -251,12 +296,16 @@ def _lawson_hanson(
         # Minor cycle: the passive set's minimiser, or a step back to the first coordinate it
         # would push below u, which then leaves the passive set.
         open_ = ~done
-        if open_.all():
-            z = _solve_passive(G, rhs, passive)
-        else:  # solve only the open problems: they finish at different cycles
-            z, index = np.zeros((B, K)), np.flatnonzero(open_)
-            z[index] = _solve_passive(G if len(G) == 1 else G[index], rhs[index], passive[index])
+        index = rows if open_.all() else np.flatnonzero(open_)  # open problems only: they finish apart
+        z = np.zeros((B, K))
+        z[index], independent = _solve_passive(G if len(G) == 1 else G[index], rhs[index], passive[index])
         iterations += open_
+        # A constraint whose column depends on the passive set is round-off: take it back, stop.
+        dependent = np.zeros(B, dtype=bool)
+        dependent[index] = grow[index] & ~independent
+        passive[rows[dependent], j[dependent]] = False
+        done |= dependent
+        open_ &= ~dependent
         positive = ((z > 0) | ~passive).all(axis=-1)
         interior = open_ & positive
         blocked = open_ & ~positive

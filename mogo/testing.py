@@ -14,7 +14,7 @@ import numpy as np
 import torch
 from torch import Tensor
 
-__all__ = ["FAMILIES", "assert_min_norm_optimal", "gradient_family"]
+__all__ = ["FAMILIES", "assert_min_norm_optimal", "gradient_family", "rank_deficient"]
 
 
 def _gaussian(rng: np.random.Generator, K: int, dim: int) -> np.ndarray:
@@ -104,6 +104,22 @@ def gradient_family(
         raise ValueError(f"unknown family {name!r}; choose from {sorted(FAMILIES)}")
     J = torch.from_numpy(FAMILIES[name](np.random.default_rng(seed), K, dim) * scale)
     return J, J @ J.T
+
+
+def rank_deficient(seed: int) -> Tensor:
+    """``J`` (K, dim), float64, with K in 3..24 above dim: a centred cloud (pairwise conflict, the
+    origin near its hull) or Gaussian rows, scaled by 1e-12..1e12, all drawn from ``seed``.
+
+    The family on which a dual-cone solver that spots dependent passive sets by an exception
+    failed about once in 300 problems, depending on the BLAS's thread count.
+    """
+    rng = np.random.default_rng(seed)
+    K = int(rng.integers(3, 25))
+    dim = int(rng.integers(1, K))
+    J = rng.standard_normal((K, dim))
+    if rng.integers(0, 2):
+        J = J - J.mean(axis=0) + 1e-3 * rng.standard_normal(dim)
+    return torch.from_numpy(J * 10.0 ** rng.uniform(-12, 12))
 
 
 def assert_min_norm_optimal(G: Tensor, alpha: Tensor, *, tol: float = 1e-9) -> None:
