@@ -65,10 +65,27 @@ class PromptSet(NamedTuple):
 
 
 def _read_lines(path: str | os.PathLike[str], what: str) -> list[str]:
+    """The lines of a UTF-8 text file; a byte-order mark is not part of the first line."""
     path = Path(path)
     if not path.is_file():
         raise FileNotFoundError(f"{what} file {str(path)!r} does not exist")
-    return path.read_text(encoding="utf-8").splitlines()
+    try:
+        return path.read_text(encoding="utf-8-sig").splitlines()
+    except UnicodeDecodeError as error:
+        byte = error.object[error.start]
+        raise ValueError(
+            f"{what} file {str(path)!r} is not UTF-8 text: byte {error.start} ({byte:#04x}): {error.reason}"
+        ) from None
+
+
+def _unique_keys(pairs: list[tuple[str, Any]]) -> dict[str, Any]:
+    """A JSON object's ``object_pairs_hook``: a key given twice is an error, not the last value."""
+    entry: dict[str, Any] = {}
+    for key, value in pairs:
+        if key in entry:
+            raise ValueError(f"key {key!r} appears twice ({entry[key]!r} and {value!r})")
+        entry[key] = value
+    return entry
 
 
 def load_prompts(path: str | os.PathLike[str]) -> PromptSet:
@@ -88,7 +105,8 @@ def load_geneval_metadata(path: str | os.PathLike[str]) -> PromptSet:
     """Prompts and metadata from GenEval's ``evaluation_metadata.jsonl`` format: one JSON object a
     line with a ``"prompt"`` and GenEval metadata (``"tag"``, ``"include"``, optionally
     ``"exclude"``; :func:`~mogo_diffusion.rewards.geneval.check_metadata`). Each metadata dict is the
-    whole line, ``"prompt"`` included, as GenEval keeps it. Blank lines are skipped.
+    whole line, ``"prompt"`` included, as GenEval keeps it. Blank lines are skipped; a key given
+    twice in a line is an error.
 
     Raises:
         FileNotFoundError: no such file. ValueError: a bad line (``path:line: why``), or no line.
@@ -98,7 +116,7 @@ def load_geneval_metadata(path: str | os.PathLike[str]) -> PromptSet:
         if not line.strip():
             continue
         try:
-            entry = json.loads(line)
+            entry = json.loads(line, object_pairs_hook=_unique_keys)
             if not isinstance(entry, dict) or not isinstance(entry.get("prompt"), str) or not entry["prompt"]:
                 raise ValueError("expected a JSON object with a non-empty 'prompt'")
             check_metadata(entry)
@@ -282,7 +300,7 @@ def load_prompt_set(source: str | os.PathLike[str]) -> PromptSet:
     * ``"shapes:SPLIT"`` or ``"shapes:SPLIT:N"``: :func:`shapes_prompts` of ``SPLIT`` (``train`` or
       ``heldout``), every caption or ``N`` sampled ones (seed 0);
     * ``"ocr:N"``, ``"geneval:N"``: :func:`ocr_prompts`, :func:`geneval_prompts` (``N`` of them, seed 0);
-    * a path ending in ``.jsonl``: :func:`load_geneval_metadata`;
+    * a path ending in ``.jsonl`` (any case): :func:`load_geneval_metadata`;
     * any other path: :func:`load_prompts`.
 
     Raises:
@@ -303,7 +321,7 @@ def load_prompt_set(source: str | os.PathLike[str]) -> PromptSet:
         if not count.isdigit() or int(count) < 1:
             raise ValueError(f"prompt source {text!r}: expected '{kind}:N' with N a positive integer")
         return (ocr_prompts if kind == "ocr" else geneval_prompts)(int(count))
-    if text.endswith(".jsonl"):
+    if text.lower().endswith(".jsonl"):
         return load_geneval_metadata(text)
     return load_prompts(text)
 

@@ -17,6 +17,7 @@ from mogo_diffusion.prompts import (
     OCR_TEMPLATES,
     geneval_prompts,
     load_geneval_metadata,
+    load_prompt_set,
     load_prompts,
     ocr_prompts,
 )
@@ -631,6 +632,26 @@ def test_load_geneval_metadata_round_trip(tmp_path):
         load_geneval_metadata(path)
     with pytest.raises(FileNotFoundError, match="GenEval metadata file"):
         load_geneval_metadata(tmp_path / "none.jsonl")
+
+
+def test_prompt_files_read_as_written(tmp_path):
+    """A byte-order mark is not text, upper-case ``.JSONL`` is GenEval metadata, a key given twice
+    and a file that is not UTF-8 are errors naming the file and what is wrong."""
+    text = tmp_path / "bom.txt"
+    text.write_bytes("\ufeff# a comment\na red square\n".encode())
+    assert load_prompts(text).prompts == ["a red square"]
+    upper = tmp_path / "META.JSONL"
+    upper.write_text(json.dumps(geneval_prompts(1, seed=0).metadata[0]) + "\n")
+    assert load_prompt_set(upper) == load_geneval_metadata(upper)
+    twice = tmp_path / "twice.jsonl"
+    entry = json.dumps(geneval_prompts(1, seed=0).metadata[0])
+    twice.write_text(entry[:-1] + ', "prompt": "a cat"}\n')
+    with pytest.raises(ValueError, match=r"twice.jsonl:1: key 'prompt' appears twice"):
+        load_geneval_metadata(twice)
+    latin = tmp_path / "latin.txt"
+    latin.write_bytes("a caf\xe9 sign\n".encode("latin-1"))
+    with pytest.raises(ValueError, match=r"prompt file .*latin\.txt.* is not UTF-8 text: byte 5 \(0xe9\)"):
+        load_prompts(latin)
 
 
 def test_ocr_prompts():
