@@ -268,10 +268,12 @@ def _nearest_gram(estimate: np.ndarray, precision: _Precision) -> np.ndarray:
     if not (size < np.inf and np.abs(estimate - estimate.T).max() <= precision.allowance * size):
         _diagnose(estimate[None], precision, semidefinite=False)
     nearest = _nearest_psd((estimate + estimate.T) / 2)
-    if not nearest.diagonal().max() > precision.allowance * size:
+    largest = nearest.diagonal().max() / size
+    if not largest > precision.allowance:
         raise ValueError(
-            f"the estimate's nearest Gram matrix is 0 (no eigenvalue above {precision.allowance:.2g} of "
-            "its largest entry): there is no direction to weigh"
+            f"the estimate's nearest Gram matrix is 0 within round-off (its largest diagonal entry is "
+            f"{largest:.3g} of the estimate's largest entry; a {precision.name} G is known to "
+            f"{precision.allowance:.2g}): there is no direction to weigh"
         )
     return nearest
 

@@ -86,8 +86,14 @@ class Weights:
             ValueError: naming ``weighting`` (its repr) and the values, e.g. an overflow of
                 ``s * alpha_k / c_k`` or a NaN from a weighting of one's own.
         """
-        values = torch.cat([self.alpha, self.divisor, self.scale.reshape(1), self.loss_weights])
-        if bool(torch.isfinite(values).all()) and bool((self.divisor > 0).all()):
+        # A few dozen numbers: Python floats cost less than torch's ops, and s * a / c rounds
+        # as loss_weights does (a NaN anywhere makes some loss weight NaN).
+        alpha, divisor, scale = self.alpha.tolist(), self.divisor.tolist(), self.scale.item()
+        if (
+            all(map(math.isfinite, divisor))
+            and min(divisor) > 0
+            and all(math.isfinite(scale * a / c) for a, c in zip(alpha, divisor, strict=True))
+        ):
             return self
 
         def shown(tensor: Tensor) -> str:
