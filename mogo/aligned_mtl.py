@@ -55,11 +55,11 @@ class AlignedMTL(CheckedWeighting):
         self.scale_mode = scale_mode
 
     def weigh(self, gram: CheckedGram, losses: Tensor) -> Weights:
-        G = gram.host
+        G = gram.host / np.diagonal(gram.host).max()  # scale-free: max_i G_ii = 1, far from overflow
         K = G.shape[0]
         preference = np.full(K, 1.0 / K)
         values, vectors = np.linalg.eigh((G + G.T) / 2)
-        kept = values > _precision(gram.precision, K).allowance * np.diagonal(G).max()
+        kept = values > _precision(gram.precision, K).allowance
         if not kept.any():
             w = preference
         else:

@@ -27,7 +27,7 @@ import torch
 from scipy.linalg.lapack import dpotrf
 from torch import Tensor
 
-from mogo.solvers import _diagnose, _Precision, _precision, _single_problem
+from mogo.solvers import _diagnose, _Precision, _precision, _prepare, _single_problem
 
 __all__ = [
     "CheckedGram",
@@ -242,10 +242,10 @@ def check_gram(G: Tensor | GramEstimate | CheckedGram) -> CheckedGram:
     host = host_float64(tensor)
     if isinstance(G, GramEstimate):
         host = _nearest_gram(host, precision)
-    elif _single_problem(host, precision) is None:
+    elif _single_problem(host, precision) is None:  # the fast checks failed: say why, or pass
         if not host.any():
             raise ValueError(f"G is 0: every one of the {K} gradients is zero, so there is no direction")
-        _diagnose(host[None], precision)
+        _prepare(host[None], precision)  # min_norm's general path: G near overflow passes
     return CheckedGram(host, tensor.dtype, tensor.device)
 
 

@@ -51,10 +51,10 @@ class IMTLG(CheckedWeighting):
     """
 
     def weigh(self, gram: CheckedGram, losses: Tensor) -> Weights:
-        G = gram.host
+        G = gram.host / np.diagonal(gram.host).max()  # scale-free: max_i G_ii = 1, far from overflow
         K = G.shape[0]
         values, vectors = np.linalg.eigh((G + G.T) / 2)
-        kept = values > _precision(gram.precision, K).allowance * np.diagonal(G).max()
+        kept = values > _precision(gram.precision, K).allowance
         norms = np.sqrt(np.maximum(np.diagonal(G), 0.0))
         v = (vectors[:, kept] / values[kept]) @ (vectors[:, kept].T @ norms)
         total = float(v.sum())

@@ -108,9 +108,8 @@ def min_norm(
     Raises:
         ValueError: ``G`` is not square, is empty, holds NaN or Inf, is asymmetric beyond
             round-off, or is clearly indefinite (see Precision); ``precision`` is not a floating
-            dtype. Round-off asymmetry is
-            symmetrised away, and an eigenvalue that is negative by round-off only is tolerated
-            (``value`` is clipped at 0).
+            dtype. Round-off asymmetry is symmetrised away, and an eigenvalue that is negative by
+            round-off only is tolerated (``value`` is clipped at 0).
         SolverError: the solve did not reach its tolerance and ``throw`` is true.
 
     Example:
@@ -334,7 +333,9 @@ def _single_problem(
     """
     scale = max(G.diagonal().tolist())
     small = len(G) <= 8
-    if not (0.0 < scale < math.inf and math.isfinite(sum(G.ravel().tolist()) if small else G.sum())):
+    if not (
+        0.0 < scale < math.inf and (math.isfinite(sum(G.ravel().tolist())) if small else np.isfinite(G).all())
+    ):
         return None
     difference = G - G.T.copy()  # contiguous operands take numpy's fast loops
     asymmetry = max(difference.ravel().tolist()) if small else difference.max()

@@ -547,6 +547,26 @@ def test_every_weighting_refuses_a_bad_gram_matrix_naming_what_is_wrong(name, fa
             build(name, 2)(G, torch.ones(2))
 
 
+@pytest.mark.parametrize("name", sorted(mogo.WEIGHTINGS))  # TorchJD's UPGrad overflows tr(G)
+def test_every_weighting_weighs_a_gram_matrix_near_overflow_as_it_does_a_small_one(name):
+    # The entries' sum overflows (the fast check's test of finiteness), and (G + G^T) / 2 would:
+    # every step must stay finite. 2**1023 scales exactly; the normalisations that are not
+    # powers of two (square roots of G_kk) round by an eps, moved to the weights by at most the
+    # condition number (checked below 1000) times K eps.
+    K = 12
+    J = torch.randn(K, K + 2, generator=torch.Generator().manual_seed(0), dtype=torch.float64)
+    small = J @ J.T / float((J @ J.T).diagonal().max())
+    condition = float(torch.linalg.cond(small))
+    assert condition < 1000
+    huge = small * 2.0**1023
+    assert not np.isfinite(huge.sum().item())
+    with warnings.catch_warnings():
+        warnings.simplefilter("error")
+        weights = build(name, K)(huge, torch.ones(K))
+    expected = build(name, K)(small, torch.ones(K))
+    assert float((weights.alpha - expected.alpha).abs().max()) <= condition * K * EPS
+
+
 @st.composite
 def perturbed(draw: st.DrawFn) -> tuple[torch.Tensor, float, float]:
     """``(G, asymmetry, lowest)``: a family's Gram matrix with its smallest eigenvalue moved and an
