@@ -148,7 +148,7 @@ class Weighting(Protocol):
 
 class CheckedWeighting(ABC):
     """A :class:`Weighting` that checks what it is given and what it returns, so that a subclass's
-    :meth:`weigh` sees a valid ``G`` and never returns NaN: every weighting of mogo is one.
+    :meth:`weigh` sees a valid ``G`` and its weights are finite: every weighting of mogo is one.
 
     Calling it checks ``G`` by :func:`mogo.check_gram` (a :class:`mogo.GramEstimate` may be
     indefinite) and the weights by :meth:`Weights.check`, each raising a ``ValueError`` that
