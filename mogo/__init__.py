@@ -7,7 +7,7 @@ from mogo.cagrad import CAGrad
 from mogo.diagnostics import ConflictMeter, ConflictReport
 from mogo.distributed import DataParallel, ShardedParameters, sharded_gramian
 from mogo.dual_cone import DualConeResult, project_dual_cone
-from mogo.gram import NormalizedGram, gramian, normalize_gram
+from mogo.gram import CheckedGram, GramEstimate, NormalizedGram, check_gram, gramian, normalize_gram
 from mogo.imtl_g import IMTLG
 from mogo.jacobian import objective_grads
 from mogo.nash_mtl import NashMTL
@@ -17,7 +17,7 @@ from mogo.registry import make_weighting, register_weighting
 from mogo.solvers import MinNormResult, SolverError, min_norm
 from mogo.torchjd_weighting import TorchJDWeighting
 from mogo.upgrad import UPGrad
-from mogo.weighting import Certificate, MinNorm, WeightedSum, Weighting, Weights
+from mogo.weighting import Certificate, CheckedWeighting, MinNorm, WeightedSum, Weighting, Weights
 
 #: Name to factory of every registered weighting; the factory takes the weighting's options as
 #: keyword arguments (see :func:`mogo.make_weighting`). The registry's own dict, not a copy.
@@ -32,10 +32,13 @@ __all__ = [
     "AmortizedWeights",
     "CAGrad",
     "Certificate",
+    "CheckedGram",
+    "CheckedWeighting",
     "ConflictMeter",
     "ConflictReport",
     "DataParallel",
     "DualConeResult",
+    "GramEstimate",
     "HarmonizedOptimizer",
     "MinNorm",
     "MinNormResult",
@@ -49,6 +52,7 @@ __all__ = [
     "WeightedSum",
     "Weighting",
     "Weights",
+    "check_gram",
     "gramian",
     "make_weighting",
     "min_norm",

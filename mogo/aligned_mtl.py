@@ -2,7 +2,8 @@
 
 Senushkin, Patakin, Kuznetsov & Konushin (2023), "Independent Component Alignment for Multi-Task
 Learning", CVPR. With the eigendecomposition ``G = V Lambda V^T`` restricted to its rank ``r``
-(eigenvalues above ``K eps lambda_max``), the balance transformation
+(the eigenvalues above the allowance of ``G``'s dtype, ``K eps`` of ``max_i G_ii`` below float64
+and ``100 K eps`` in float64, as :func:`mogo.min_norm` allows), the balance transformation
 
 .. math::
 
@@ -24,17 +25,19 @@ import numpy as np
 import torch
 from torch import Tensor
 
-from mogo.gram import host_float64
-from mogo.weighting import Weights
+from mogo.gram import CheckedGram
+from mogo.solvers import _precision
+from mogo.weighting import CheckedWeighting, Weights
 
 __all__ = ["AlignedMTL"]
 
 
-class AlignedMTL:
+class AlignedMTL(CheckedWeighting):
     """Aligned-MTL weighting (Senushkin et al. 2023), as TorchJD's ``AlignedMTLWeighting``.
 
     ``alpha = w / sum |w|`` (signed, not on the simplex), divisor 1, ``s = sum |w|``. ``w`` does
-    not depend on the scale of ``G``. A zero ``G`` (rank 0) gives the uniform weights ``p``.
+    not depend on the scale of ``G``. A ``G`` of rank 0 at its precision (every eigenvalue
+    within round-off of zero) gives the uniform weights ``p``.
 
     Args:
         scale_mode: ``"min"``, ``"median"`` or ``"rmse"`` (see the module docstring).
@@ -51,12 +54,12 @@ class AlignedMTL:
             raise ValueError(f"unknown scale_mode {scale_mode!r}; use 'min', 'median' or 'rmse'")
         self.scale_mode = scale_mode
 
-    def __call__(self, gram: Tensor, losses: Tensor) -> Weights:
-        G = host_float64(gram)
+    def weigh(self, gram: CheckedGram, losses: Tensor) -> Weights:
+        G = gram.host / np.diagonal(gram.host).max()  # scale-free: max_i G_ii = 1, far from overflow
         K = G.shape[0]
         preference = np.full(K, 1.0 / K)
         values, vectors = np.linalg.eigh((G + G.T) / 2)
-        kept = values > K * np.finfo(np.float64).eps * max(float(values.max()), 0.0)
+        kept = values > _precision(gram.precision, K).allowance
         if not kept.any():
             w = preference
         else:

@@ -30,14 +30,14 @@ import torch
 from scipy.optimize import brentq
 from torch import Tensor
 
-from mogo.gram import _nearest_psd, host_float64
+from mogo.gram import CheckedGram, _nearest_psd
 from mogo.solvers import min_norm
-from mogo.weighting import Certificate, Weights
+from mogo.weighting import Certificate, CheckedWeighting, Weights
 
 __all__ = ["CAGrad"]
 
 
-class CAGrad:
+class CAGrad(CheckedWeighting):
     """CAGrad weighting (Liu et al. 2021), solved exactly.
 
     Loss weights ``w = 1/K + rho w* / ||g_w*||`` (``alpha = w / sum w`` on the simplex, divisor 1,
@@ -66,10 +66,9 @@ class CAGrad:
             raise ValueError(f"c must be a finite number >= 0, got {c}")
         self.c, self.rescale = float(c), bool(rescale)
 
-    def __call__(self, gram: Tensor, losses: Tensor) -> Weights:
-        G = host_float64(gram)
-        K = G.shape[0]
-        w, iterations, kkt = cagrad_weights(G, self.c)
+    def weigh(self, gram: CheckedGram, losses: Tensor) -> Weights:
+        K = gram.host.shape[0]
+        w, iterations, kkt = cagrad_weights(gram.host, self.c)
         if self.rescale:
             w = w / (1 + self.c**2)
         combination = torch.from_numpy(w).to(gram.device)
@@ -88,14 +87,12 @@ of ``max_k ||g_k||^2`` (``min_norm``'s tolerance), so a smaller ``||g_w*||`` can
 
 
 def cagrad_weights(G: np.ndarray, c: float) -> tuple[np.ndarray, int, float]:
-    """CAGrad's loss weights ``(K,)`` for the Gram matrix ``G`` (K, K), the min-norm solves
-    spent and the certificate (see the module docstring)."""
+    """CAGrad's loss weights ``(K,)`` for the Gram matrix ``G`` (K, K) (checked by
+    :func:`mogo.check_gram`), the min-norm solves spent and the certificate (see the module
+    docstring)."""
     K = G.shape[0]
-    scale = float(np.diagonal(G).max()) if K else 0.0
     mean = np.full(K, 1.0 / K)
-    if not scale > 0:
-        return mean, 0, 0.0
-    G = G / scale  # the weights are invariant to the scale of G
+    G = G / np.diagonal(G).max()  # the weights are invariant to the scale of G
     b = G @ mean
     g0_sq = max(float(mean @ b), 0.0)
     rho = c * np.sqrt(g0_sq)

@@ -30,7 +30,7 @@ import numpy as np
 import torch
 from torch import Tensor
 
-from mogo.solvers import SolverError, _check_shape, _Output, _precision, _prepare
+from mogo.solvers import SolverError, _check_shape, _known_dtype, _Output, _precision, _prepare
 
 __all__ = ["DualConeResult", "project_dual_cone"]
 
@@ -69,6 +69,7 @@ def project_dual_cone(
     tol: float = DEFAULT_TOL,
     max_iter: int | None = None,
     throw: bool = True,
+    precision: torch.dtype | None = None,
 ) -> DualConeResult:
     """Weights of the projections of ``J^T u`` onto the dual cone of the rows of ``J``.
 
@@ -79,6 +80,7 @@ def project_dual_cone(
         tol: stopping tolerance on the KKT violation (see :class:`DualConeResult`).
         max_iter: linear solves per problem; default ``3 K + 10``.
         throw: raise :class:`mogo.SolverError` unless the status is ``"success"``.
+        precision: the dtype whose round-off bounds ``G``'s error, as in :func:`mogo.min_norm`.
 
     Raises:
         ValueError: as :func:`mogo.min_norm` on a malformed ``G``; ``U`` of the wrong shape or
@@ -108,7 +110,7 @@ def project_dual_cone(
         host = host.to(device="cpu", dtype=torch.float64)
     # validated, symmetrised, scaled to largest diagonal 1 (scale s); below float64, shifted by
     # the dtype's round-off allowance where not positive definite, as min_norm solves it
-    _, work, scale = _prepare(host.numpy().reshape(-1, K, K), _precision(G.dtype, K))
+    _, work, scale = _prepare(host.numpy().reshape(-1, K, K), _precision(_known_dtype(G, precision), K))
     N = len(work)
     if U is None:
         eye = np.eye(K)

@@ -10,20 +10,34 @@ without concatenating them. Normalising ``g_k -> g_k / s_k`` maps ``G`` to ``G /
 
 Objectives whose gradient norm is at most ``rtol`` times the largest are *excluded*: they cannot be
 normalised, so they leave the QP and receive weight 0.
+
+:func:`check_gram` is the one check of a Gram matrix that every weighting (and
+:func:`normalize_gram`) makes on entry, by :func:`mogo.min_norm`'s rule of how well a ``G`` of a
+dtype is known; a :class:`GramEstimate` declares a ``G`` that may be indefinite.
 """
 
 from __future__ import annotations
 
 from collections.abc import Iterable
 from dataclasses import dataclass
-from typing import Literal
+from typing import Literal, NamedTuple
 
 import numpy as np
 import torch
 from scipy.linalg.lapack import dpotrf
 from torch import Tensor
 
-__all__ = ["Normalization", "NormalizedGram", "gramian", "normalize_gram"]
+from mogo.solvers import _diagnose, _Precision, _precision, _prepare, _single_problem
+
+__all__ = [
+    "CheckedGram",
+    "GramEstimate",
+    "Normalization",
+    "NormalizedGram",
+    "check_gram",
+    "gramian",
+    "normalize_gram",
+]
 
 Normalization = Literal["l2", "loss", "none"]
 
@@ -136,6 +150,135 @@ def _nearest_psd(gram: np.ndarray) -> np.ndarray:
 
 
 @dataclass(frozen=True)
+class GramEstimate:
+    """A symmetric estimate of a Gram matrix that may be indefinite, declared so by its caller.
+
+    An unbiased estimate of ``J J^T`` from noisy gradients, such as the cross-fitted
+    ``(G_12 + G_21) / 2`` of two half-batches (``G_ab = J_a J_b^T``), has negative eigenvalues
+    where the noise exceeds the signal; an indefinite ``G`` that is not declared so is an error.
+    Every weighting takes an estimate in place of ``G``: :func:`check_gram` checks it as it
+    checks ``G`` but for positive semidefiniteness, and the weighting works on its nearest Gram
+    matrix. The declaration travels as this type, not as a keyword, so that it passes through
+    the ``Weighting(gram, losses)`` protocol and the optimizer unchanged; what else is known of
+    an estimate (its entries' standard errors, say) belongs on it as well.
+
+    Attributes:
+        gram: ``(K, K)`` real, finite, and symmetric within its dtype's round-off.
+
+    Example:
+        >>> import torch, mogo
+        >>> first = torch.tensor([[1.0, 0.0], [1.0, 1.0]], dtype=torch.float64)  # half-batch gradients
+        >>> second = torch.tensor([[1.0, 0.0], [-0.1, -0.1]], dtype=torch.float64)
+        >>> cross = first @ second.T
+        >>> estimate = mogo.GramEstimate((cross + cross.T) / 2)
+        >>> estimate.gram  # the halves of objective 1's gradient disagree: G_11 < 0
+        tensor([[ 1.0000,  0.4500],
+                [ 0.4500, -0.2000]], dtype=torch.float64)
+        >>> mogo.check_gram(estimate).host.round(3)  # its nearest Gram matrix, of rank 1
+        array([[1.035, 0.345],
+               [0.345, 0.115]])
+        >>> mogo.UPGrad()(estimate, torch.ones(2)).loss_weights  # no conflict left: the mean
+        tensor([0.5000, 0.5000], dtype=torch.float64)
+    """
+
+    gram: Tensor
+
+
+class CheckedGram(NamedTuple):
+    """A Gram matrix that passed :func:`check_gram`, as every weighting works on it.
+
+    Attributes:
+        host: ``(K, K)`` float64 numpy array (a view of a float64 ``G`` on the CPU): ``G``,
+            symmetric and positive semidefinite within the round-off of ``precision``, or the
+            nearest Gram matrix of a :class:`GramEstimate`.
+        precision: the dtype ``G`` came in, whose round-off bounds the error of ``host`` (see
+            :func:`mogo.min_norm`, Precision): float32 for a float32 ``G``, though ``host`` is
+            float64.
+        device: where ``G`` was, and where the weights go.
+    """
+
+    host: np.ndarray
+    precision: torch.dtype
+    device: torch.device
+
+
+def check_gram(G: Tensor | GramEstimate | CheckedGram) -> CheckedGram:
+    """The check of the Gram matrix of K gradients that every weighting makes on entry.
+
+    ``G`` must be one ``(K, K)`` matrix with ``K >= 1`` (a weighting does not take a batch;
+    :func:`mogo.min_norm` and :func:`mogo.project_dual_cone` do), real, finite, not 0, and
+    symmetric and positive semidefinite within the round-off of its dtype, by the rule of
+    :func:`mogo.min_norm` (Precision): asymmetry and negative eigenvalues down to ``K eps`` of
+    ``max_i G_ii`` below float64 (``eps`` of the dtype), ``100 K eps`` in float64. A
+    :class:`GramEstimate` is not held to the last: its nearest Gram matrix
+    ``V max(Lambda, 0) V^T`` (nearest in Frobenius norm, of its symmetric part
+    ``V Lambda V^T``) is checked instead. A :class:`CheckedGram` passes as it is.
+
+    Raises:
+        TypeError: ``G`` is not a tensor, a :class:`GramEstimate` or a :class:`CheckedGram`.
+        ValueError: naming what is wrong: the shape, a complex dtype, the first NaN or Inf, the
+            asymmetry or the smallest eigenvalue (relative to ``max_i G_ii``) against the
+            allowance, or a ``G`` (or an estimate's nearest Gram matrix) that is 0: every
+            gradient is zero, and there is no direction to weigh.
+
+    Example:
+        >>> import torch, mogo
+        >>> J = torch.tensor([[1.0, 2.0], [2.0, 4.0], [0.5, 1.0]])  # float32, rank 1
+        >>> checked = mogo.check_gram(J @ J.T)  # its eigenvalues of 0 are off by round-off
+        >>> checked.precision, checked.host.shape
+        (torch.float32, (3, 3))
+        >>> mogo.check_gram(torch.stack([J @ J.T, J @ J.T]))
+        Traceback (most recent call last):
+            ...
+        ValueError: G must have shape (K, K), got (2, 3, 3): a weighting takes one G, not a batch
+    """
+    if isinstance(G, CheckedGram):
+        return G
+    tensor = G.gram if isinstance(G, GramEstimate) else G
+    if not isinstance(tensor, Tensor):
+        raise TypeError(f"G must be a torch.Tensor or a mogo.GramEstimate, got {type(tensor).__name__}")
+    K = _matrix_size(tensor)
+    precision = _precision(tensor.dtype, K)
+    host = host_float64(tensor)
+    if isinstance(G, GramEstimate):
+        host = _nearest_gram(host, precision)
+    elif _single_problem(host, precision) is None:  # the fast checks failed: say why, or pass
+        if not host.any():
+            raise ValueError(f"G is 0: every one of the {K} gradients is zero, so there is no direction")
+        _prepare(host[None], precision)  # min_norm's general path: G near overflow passes
+    return CheckedGram(host, tensor.dtype, tensor.device)
+
+
+def _matrix_size(G: Tensor) -> int:
+    """``K`` of a real ``(K, K)`` ``G`` with ``K >= 1``, or the ValueError that says what it is."""
+    if G.ndim != 2 or G.shape[0] != G.shape[1]:
+        batch = ": a weighting takes one G, not a batch" if G.ndim > 2 else ""
+        raise ValueError(f"G must have shape (K, K), got {tuple(G.shape)}{batch}")
+    if G.shape[0] == 0:
+        raise ValueError("G is empty (shape (0, 0)): there is no objective to weigh")
+    if G.is_complex():
+        raise ValueError(f"G must be real, got dtype {G.dtype}")
+    return G.shape[0]
+
+
+def _nearest_gram(estimate: np.ndarray, precision: _Precision) -> np.ndarray:
+    """The nearest Gram matrix of a finite ``estimate`` (K, K), symmetric within the allowance
+    relative to its largest entry, or the ValueError that names what is wrong."""
+    size = np.abs(estimate).max()
+    if not (size < np.inf and np.abs(estimate - estimate.T).max() <= precision.allowance * size):
+        _diagnose(estimate[None], precision, semidefinite=False)
+    nearest = _nearest_psd((estimate + estimate.T) / 2)
+    largest = nearest.diagonal().max() / size
+    if not largest > precision.allowance:
+        raise ValueError(
+            f"the estimate's nearest Gram matrix is 0 within round-off (its largest diagonal entry is "
+            f"{largest:.3g} of the estimate's largest entry; a {precision.name} G is known to "
+            f"{precision.allowance:.2g}): there is no direction to weigh"
+        )
+    return nearest
+
+
+@dataclass(frozen=True)
 class NormalizedGram:
     """A Gram matrix restricted to the objectives that can be normalised.
 
@@ -143,11 +286,14 @@ class NormalizedGram:
         gram: ``(A, A)`` float64, ``G_kl / (s_k s_l)`` over the ``A`` active objectives.
         scale: ``(K,)`` float64, ``s_k`` (1 for excluded objectives).
         active: ``(K,)`` bool, objectives that enter the QP.
+        precision: the dtype ``G`` came in, whose round-off bounds the error of ``gram`` (pass it
+            to :func:`mogo.min_norm`): normalising in float64 does not make ``G`` better known.
     """
 
     gram: Tensor
     scale: Tensor
     active: Tensor
+    precision: torch.dtype = torch.float64
 
     @property
     def excluded(self) -> list[int]:
@@ -184,7 +330,7 @@ def nonzero_gradients(norms: np.ndarray, rtol: float = ZERO_RTOL) -> np.ndarray:
 
 
 def normalize_gram(
-    G: Tensor,
+    G: Tensor | GramEstimate | CheckedGram,
     mode: Normalization = "l2",
     *,
     losses: Tensor | None = None,
@@ -193,35 +339,34 @@ def normalize_gram(
     """Normalise the Gram matrix of K gradients and exclude the zero ones.
 
     Args:
-        G: ``(K, K)`` Gram matrix of the raw gradients.
+        G: ``(K, K)`` Gram matrix of the raw gradients, checked by :func:`check_gram`.
         mode: ``"l2"``, ``"loss"`` or ``"none"`` (see the module docstring).
         losses: ``(K,)`` positive loss values, required by ``"loss"``.
         rtol: a gradient whose norm is at most ``rtol * max_k ||g_k||`` is excluded.
 
     Returns:
-        float64 tensors on the device of ``G``, computed on the host.
+        float64 tensors on the device of ``G``, computed on the host; ``precision`` is ``G``'s
+        dtype.
 
     Raises:
-        ValueError: on a malformed ``G``, an unknown mode, missing or non-positive losses, or when
-            every gradient is zero (nothing can be normalised).
+        ValueError: on a ``G`` that :func:`check_gram` refuses (every gradient zero among
+            them), an unknown mode, or missing or non-positive losses.
     """
-    if G.ndim != 2 or G.shape[0] != G.shape[1]:
-        raise ValueError(f"G must have shape (K, K), got {tuple(G.shape)}")
     if mode not in ("l2", "loss", "none"):
         raise ValueError(f"unknown normalization {mode!r}; use 'l2', 'loss' or 'none'")
-    host = host_float64(G)
+    checked = check_gram(G)
+    host = checked.host
     K = host.shape[0]
-    norms = gradient_norms(host)
-    active = nonzero_gradients(norms, rtol)
     if mode == "none":
         sub, scale, active = host, np.ones(K), np.ones(K, dtype=bool)
-    elif not active.any():
-        raise ValueError(f"every one of the {K} gradients is zero: nothing to normalise with {mode!r}")
     else:
+        norms = gradient_norms(host)
+        active = nonzero_gradients(norms, rtol)
         scale = np.where(active, norms if mode == "l2" else _positive_losses(losses, active), 1.0)
         kept = scale[active]
         sub = host[np.ix_(active, active)] / np.outer(kept, kept)
-    return NormalizedGram(*(torch.from_numpy(a).to(G.device) for a in (sub, scale, active)))
+    tensors = (torch.from_numpy(a).to(checked.device) for a in (sub, scale, active))
+    return NormalizedGram(*tensors, precision=checked.precision)
 
 
 def _positive_losses(losses: Tensor | None, active: np.ndarray) -> np.ndarray:

@@ -10,8 +10,11 @@ takes the least-squares solution of least norm,
 
     v = G^+ n, \\qquad \\alpha = v / \\textstyle\\sum_k v_k,
 
-which is used here; ``G^+`` is the pseudo-inverse from the eigendecomposition of ``G`` with
-eigenvalues below ``K eps lambda_max`` set to zero (the default cut-off of ``torch.linalg.pinv``).
+which is used here; ``G^+`` is the pseudo-inverse from the eigendecomposition of ``G`` with the
+eigenvalues within round-off of zero set to zero: those at most the allowance of ``G``'s dtype,
+``K eps`` of ``max_i G_ii`` below float64 and ``100 K eps`` in float64, as :func:`mogo.min_norm`
+allows (TorchJD cuts at ``torch.linalg.pinv``'s ``K eps lambda_max``, float64's ``eps`` whatever
+the dtype).
 The weights can be negative. Where ``sum_k v_k`` vanishes (``n`` orthogonal to the range of
 ``G``, e.g. two opposite gradients) there is no such direction and the weights are 0.
 """
@@ -22,13 +25,14 @@ import numpy as np
 import torch
 from torch import Tensor
 
-from mogo.gram import host_float64
-from mogo.weighting import Weights
+from mogo.gram import CheckedGram
+from mogo.solvers import _precision
+from mogo.weighting import CheckedWeighting, Weights
 
 __all__ = ["IMTLG"]
 
 
-class IMTLG:
+class IMTLG(CheckedWeighting):
     """IMTL-G weighting (Liu et al. 2021), as generalised by TorchJD.
 
     Loss weights ``w = G^+ n / sum(G^+ n)``: they sum to 1 and may be negative, so ``alpha`` is
@@ -46,14 +50,11 @@ class IMTLG:
         tensor([1.0000, 1.0000], dtype=torch.float64)
     """
 
-    def __call__(self, gram: Tensor, losses: Tensor) -> Weights:
-        G = host_float64(gram)
+    def weigh(self, gram: CheckedGram, losses: Tensor) -> Weights:
+        G = gram.host / np.diagonal(gram.host).max()  # scale-free: max_i G_ii = 1, far from overflow
         K = G.shape[0]
         values, vectors = np.linalg.eigh((G + G.T) / 2)
-        top = values.max() if K else 0.0
-        if not top > 0:
-            return Weights.from_combination(torch.zeros(K, dtype=torch.float64, device=gram.device))
-        kept = values > K * np.finfo(np.float64).eps * top
+        kept = values > _precision(gram.precision, K).allowance
         norms = np.sqrt(np.maximum(np.diagonal(G), 0.0))
         v = (vectors[:, kept] / values[kept]) @ (vectors[:, kept].T @ norms)
         total = float(v.sum())

@@ -26,14 +26,14 @@ import torch
 from scipy.linalg.lapack import dposv
 from torch import Tensor
 
-from mogo.gram import ZERO_RTOL, normalize_gram
-from mogo.solvers import min_norm
-from mogo.weighting import Certificate, Weights
+from mogo.gram import ZERO_RTOL, CheckedGram, normalize_gram
+from mogo.solvers import _precision, min_norm
+from mogo.weighting import Certificate, CheckedWeighting, Weights
 
 __all__ = ["NashMTL"]
 
 
-class NashMTL:
+class NashMTL(CheckedWeighting):
     """Nash-MTL weighting (Navon et al. 2022), solved exactly.
 
     Loss weights ``w_k = alpha_k`` (times the clipping factor), split as ``alpha`` on the simplex
@@ -71,11 +71,13 @@ class NashMTL:
             raise ValueError(f"rtol must be in [0, 1), got {rtol}")
         self.max_norm, self.tol, self.max_iter, self.rtol = float(max_norm), float(tol), int(max_iter), rtol
 
-    def __call__(self, gram: Tensor, losses: Tensor) -> Weights:
+    def weigh(self, gram: CheckedGram, losses: Tensor) -> Weights:
         normalized = normalize_gram(gram, "l2", rtol=self.rtol)
         unit = normalized.gram.cpu().numpy()
         A = unit.shape[0]
-        if float(min_norm(unit).value) <= 100 * A * np.finfo(np.float64).eps:  # 0 in the hull
+        # 0 in the hull, to the round-off that G's dtype allows
+        closest = float(min_norm(unit, precision=normalized.precision).value)
+        if closest <= _precision(normalized.precision, A).allowance:
             beta, steps, residual = np.zeros(A), 0, 0.0
         else:
             beta, steps, residual = nash_point(unit, self.tol, self.max_iter)

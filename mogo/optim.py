@@ -65,6 +65,8 @@ class HarmonizedOptimizer(torch.optim.Optimizer):
         objectives: the objectives' names, or their number K.
         weighting: defaults to :class:`mogo.MinNorm` (MARBLE: unit-norm gradients, min-norm
             point, scaled to the mean gradient norm); :class:`mogo.WeightedSum` is the baseline.
+            Weights that are not finite raise a ``ValueError`` naming it, whatever ``nonfinite``
+            says: they are the weighting's fault, not the step's (:meth:`mogo.Weights.check`).
         harmonize_every: N, the optimizer steps between harmonizations (1: every step).
         alpha_ema: rho, the EMA decay of alpha reused between harmonizations.
         params: the parameters whose gradients define the Gram matrix (e.g. a shared trunk or
@@ -310,7 +312,13 @@ class HarmonizedOptimizer(torch.optim.Optimizer):
             active, host = active & flags.to(active.device), host[np.ix_(finite, finite)]
         with _region("mogo.weighting"):
             zero = not bool((host.diagonal() > 0).any())
-            weights = _zero_weights(gram) if zero else self.weighting(gram, losses.to(torch.float64))
+            # A weighting of one's own may return anything: NaN weights would make .grad NaN, and
+            # the step would be skipped or blamed on the parameters.
+            weights = (
+                _zero_weights(gram)
+                if zero
+                else self.weighting(gram, losses.to(torch.float64)).check(self.weighting)
+            )
         with _region("mogo.combine"):
             loss_weights = weights.loss_weights
             self._add_to_grads([None if g is None else _combine(loss_weights, g) for g in grads], owned=True)

@@ -25,13 +25,13 @@ import numpy as np
 import torch
 from torch import Tensor
 
-from mogo.gram import host_float64
-from mogo.weighting import Weights
+from mogo.gram import CheckedGram
+from mogo.weighting import CheckedWeighting, Weights
 
 __all__ = ["PCGrad"]
 
 
-class PCGrad:
+class PCGrad(CheckedWeighting):
     """PCGrad weighting (Yu et al. 2020), as TorchJD's ``PCGradWeighting``.
 
     Loss weights ``w = sum_i c^(i)`` (non-negative; the paper's sum, so ``d = sum_k g_k`` when
@@ -54,8 +54,8 @@ class PCGrad:
         self.seed = None if generator is not None else int(seed)
         self.generator = torch.Generator().manual_seed(int(seed)) if generator is None else generator
 
-    def __call__(self, gram: Tensor, losses: Tensor) -> Weights:
-        G = host_float64(gram)
+    def weigh(self, gram: CheckedGram, losses: Tensor) -> Weights:
+        G = gram.host
         K = G.shape[0]
         orders = torch.stack([torch.randperm(K, generator=self.generator) for _ in range(K)]).numpy()
         rows = np.arange(K)

@@ -74,6 +74,7 @@ def min_norm(
     tol: float | None = None,
     max_iter: int | None = None,
     throw: bool = True,
+    precision: torch.dtype | None = None,
 ) -> MinNormResult:
     """Minimum-norm point of the convex hull of K vectors given by their Gram matrix.
 
@@ -90,6 +91,10 @@ def min_norm(
             certificate).
         max_iter: iteration limit per problem (see :class:`MinNormResult`).
         throw: raise :class:`SolverError` unless the status is ``"success"``.
+        precision: the floating dtype whose round-off bounds the error of ``G``'s entries (see
+            Precision); default ``G``'s own. A float64 ``G`` computed from a float32 one (by
+            :func:`mogo.normalize_gram`, say) is known only to float32's: pass
+            ``precision=torch.float32`` (:attr:`mogo.NormalizedGram.precision`).
 
     Precision: each entry of a ``G`` stored in a dtype below float64 (float32, bfloat16, float16)
     is known only to ``eps / 2`` of ``max_i G_ii``, so its eigenvalues only to ``K * eps / 2``
@@ -102,9 +107,9 @@ def min_norm(
 
     Raises:
         ValueError: ``G`` is not square, is empty, holds NaN or Inf, is asymmetric beyond
-            round-off, or is clearly indefinite (see Precision). Round-off asymmetry is
-            symmetrised away, and an eigenvalue that is negative by round-off only is tolerated
-            (``value`` is clipped at 0).
+            round-off, or is clearly indefinite (see Precision); ``precision`` is not a floating
+            dtype. Round-off asymmetry is symmetrised away, and an eigenvalue that is negative by
+            round-off only is tolerated (``value`` is clipped at 0).
         SolverError: the solve did not reach its tolerance and ``throw`` is true.
 
     Example:
@@ -128,15 +133,15 @@ def min_norm(
 
     G = G if isinstance(G, Tensor) else torch.as_tensor(G)
     batch_shape, K = _check_shape(G)
-    precision = _precision(G.dtype, K)
+    known = _precision(_known_dtype(G, precision), K)
     host = G.detach() if G.requires_grad else G
     if host.dtype != torch.float64 or not host.is_cpu:
         host = host.to(device="cpu", dtype=torch.float64)
     if method == "exact" and G.ndim == 2 and G.is_cpu:
-        single = _single(host.numpy(), precision, tol, max_iter)
+        single = _single(host.numpy(), known, tol, max_iter)
         if single is not None:  # None: a zero or bad G, which the general path handles
-            return _single_result(G, *single, precision, tol, max_iter, throw)
-    normalized, work, scale = _prepare(host.numpy().reshape(-1, K, K), precision)
+            return _single_result(G, *single, known, tol, max_iter, throw)
+    normalized, work, scale = _prepare(host.numpy().reshape(-1, K, K), known)
     if method == "qpth":
         alpha = _qpth(G.reshape(-1, K, K), work, scale, max_iter)
         host_alpha, iterations = alpha.detach().cpu().numpy(), np.full(len(work), max_iter)
@@ -154,12 +159,12 @@ def min_norm(
             kkt,
             iterations,
             method,
-            precision,
+            known,
             tol,
             max_iter,
             throw,
         )
-    status, message = _status(method, kkt, precision, tol, max_iter)
+    status, message = _status(method, kkt, known, tol, max_iter)
     if throw and status != "success":
         raise SolverError(message)
     output = _Output(G, batch_shape)  # keep the autograd graph from G to alpha and value
@@ -252,6 +257,15 @@ def _check_shape(G: Tensor) -> tuple[torch.Size, int]:
     return shape[:-2], shape[-1]
 
 
+def _known_dtype(G: Tensor, precision: torch.dtype | None) -> torch.dtype:
+    """The dtype whose round-off bounds ``G``'s error: ``precision``, or ``G``'s own."""
+    if precision is None:
+        return G.dtype
+    if not (isinstance(precision, torch.dtype) and precision.is_floating_point):
+        raise ValueError(f"precision must be a floating torch.dtype, got {precision!r}")
+    return precision
+
+
 class _Precision(NamedTuple):
     """How well a K x K Gram matrix of one dtype is known (see :func:`min_norm`, Precision)."""
 
@@ -272,41 +286,15 @@ def _precision(dtype: torch.dtype, K: int) -> _Precision:
 def _single(
     G: np.ndarray, precision: _Precision, tol: float, max_iter: int
 ) -> tuple[np.ndarray, float, float, int] | None:
-    """One (K, K) float64 problem with the checks of :func:`_prepare`, each done once, and its
-    exact solve: ``(alpha, value, kkt, solves)``, or None when the largest diagonal entry is not
-    positive and finite or a check fails (the general path then finds out why).
-
-    Python's ``max``, ``min`` and ``sum`` on lists are used where numpy's reductions cost more
-    than the arithmetic (K*K <= 64 numbers). A sum is finite iff no entry is NaN or Inf (or
-    the entries are near overflow, which the general path handles); ``G - G^T`` is
-    antisymmetric, so its max is its largest magnitude.
-    """
-    scale = max(G.diagonal().tolist())
-    small = len(G) <= 8
-    if not (0.0 < scale < math.inf and math.isfinite(sum(G.ravel().tolist()) if small else G.sum())):
+    """One (K, K) float64 problem, checked by :func:`_single_problem`, and its exact solve:
+    ``(alpha, value, kkt, solves)``, or None where a check fails (the general path then finds
+    out why)."""
+    problem = _single_problem(G, precision)
+    if problem is None:
         return None
-    transposed = G.T.copy()  # contiguous operands take numpy's fast loops
-    difference = G - transposed
-    asymmetry = max(difference.ravel().tolist()) if small else difference.max()
-    if not asymmetry <= precision.allowance * scale:
-        return None
-    if asymmetry == 0:
-        normalized = G * (1.0 / scale)
-    else:
-        normalized = G + transposed
-        normalized *= 0.5 / scale
-    work, exact = normalized, True  # exact: factor is the Cholesky factor of work
-    factor, info = dpotrf(normalized)
-    if info != 0:
-        shifted = normalized.copy()
-        shifted.flat[:: len(G) + 1] += precision.allowance
-        factor, info = dpotrf(shifted)
-        if info != 0:
-            return None
-        if precision.below_float64:
-            work = shifted
-        else:
-            exact = False
+    normalized, scale, factor, factored = problem
+    work = factored if precision.below_float64 else normalized
+    exact = work is factored  # factor is the Cholesky factor of work
     # The affine minimiser of a positive definite G is proportional to G^-1 1; where it is
     # positive it is optimal, the common case of K independent gradients, in one solve. With the
     # factor of G + rho I instead (float64 G, singular), x = (G + rho I)^-1 1 > 0 gives
@@ -325,6 +313,45 @@ def _single(
     alpha, solves = wolfe_single(work, tol, max_iter, affine)
     kkt, value = _gap_single(normalized, alpha)
     return alpha, max(value, 0.0) * scale, kkt, solves
+
+
+def _single_problem(
+    G: np.ndarray, precision: _Precision
+) -> tuple[np.ndarray, float, np.ndarray, np.ndarray] | None:
+    """The checks of :func:`_prepare` on one (K, K) float64 Gram matrix, each done once:
+    ``(normalized, s, factor, factored)`` with ``s = max_i G_ii``, ``normalized`` the symmetric
+    part of ``G / s`` and ``factor`` the Cholesky factor of ``factored``: ``normalized`` itself,
+    or ``normalized + allowance I`` where that is not positive definite. None where ``s`` is not
+    positive and finite, an entry is NaN or Inf, or ``G`` is asymmetric or indefinite beyond
+    the allowance (:func:`_diagnose` says which).
+
+    Python's ``max`` and ``sum`` on lists are used where numpy's reductions cost more than the
+    arithmetic (K*K <= 64 numbers). A sum is finite iff no entry is NaN or Inf (or the entries
+    are near overflow, which the general path handles); ``G - G^T`` is antisymmetric, so its
+    max is its largest magnitude. ``G`` is divided by ``s``, not multiplied by ``1 / s``, which
+    overflows for a subnormal ``s``.
+    """
+    scale = max(G.diagonal().tolist())
+    small = len(G) <= 8
+    if not (
+        0.0 < scale < math.inf and (math.isfinite(sum(G.ravel().tolist())) if small else np.isfinite(G).all())
+    ):
+        return None
+    difference = G - G.T.copy()  # contiguous operands take numpy's fast loops
+    asymmetry = max(difference.ravel().tolist()) if small else difference.max()
+    if not asymmetry <= precision.allowance * scale:
+        return None
+    normalized = G / scale
+    if asymmetry > 0:
+        normalized += normalized.T.copy()
+        normalized *= 0.5
+    factor, info = dpotrf(normalized)
+    if info == 0:
+        return normalized, scale, factor, normalized
+    shifted = normalized.copy()
+    shifted.flat[:: len(G) + 1] += precision.allowance
+    factor, info = dpotrf(shifted)
+    return (normalized, scale, factor, shifted) if info == 0 else None
 
 
 def _gap_single(G: np.ndarray, alpha: np.ndarray) -> tuple[float, float]:
@@ -383,9 +410,16 @@ def _positive_definite(G: np.ndarray) -> np.ndarray:
     return (torch.linalg.cholesky_ex(torch.from_numpy(G)).info == 0).numpy()
 
 
-def _diagnose(G: np.ndarray, precision: _Precision) -> NoReturn:
-    """Raise the ValueError that names what is wrong with the (B, K, K) stack ``G``."""
-    where = "of the flattened batch)"
+def _diagnose(G: np.ndarray, precision: _Precision, *, semidefinite: bool = True) -> NoReturn:
+    """Raise the ValueError that names what is wrong with the (B, K, K) stack ``G``: NaN or Inf,
+    asymmetry beyond the allowance, or (``semidefinite``) a largest diagonal entry that is not
+    positive or an eigenvalue below ``-allowance``. Relative to ``max_i G_ii``, or for a
+    symmetric estimate that need not be semidefinite, to its largest entry ``max_ij |G_ij|``.
+    The problem is named where the stack holds more than one."""
+
+    def where(problem: int) -> str:
+        return f" (problem {problem} of the flattened batch)" if len(G) > 1 else ""
+
     allows = f"; round-off in a {precision.name} G allows {precision.allowance:.2g}"
     if precision.below_float64:
         allows += (
@@ -393,28 +427,32 @@ def _diagnose(G: np.ndarray, precision: _Precision) -> NoReturn:
         )
     finite = np.isfinite(G).all(axis=(1, 2))
     if not finite.all():
-        raise ValueError(f"G contains NaN or Inf (problem {_first(~finite)} {where}")
-    scale = G.diagonal(axis1=1, axis2=2).max(axis=-1)
+        problem = _first(~finite)
+        i, j = np.argwhere(~np.isfinite(G[problem]))[0]
+        raise ValueError(f"G contains NaN or Inf{where(problem)}: entry ({i}, {j}) is {G[problem, i, j]}")
     zero = ~G.any(axis=(1, 2))
-    if ((scale <= 0) & ~zero).any():
-        worst = _first((scale <= 0) & ~zero)
-        raise ValueError(
-            f"G is not positive semidefinite: its largest diagonal entry is {scale[worst]:.3g} "
-            f"(problem {worst} {where}"
-        )
+    if semidefinite:
+        scale, unit = G.diagonal(axis1=1, axis2=2).max(axis=-1), "max_i G_ii"
+        if ((scale <= 0) & ~zero).any():
+            worst = _first((scale <= 0) & ~zero)
+            raise ValueError(
+                "G is not positive semidefinite: its largest diagonal entry is "
+                f"{scale[worst]:.3g}{where(worst)}"
+            )
+    else:
+        scale, unit = np.abs(G).max(axis=(1, 2)), "max_ij |G_ij|"
     G = G / np.where(zero, 1.0, scale)[:, None, None]
     asymmetry = np.abs(G - G.transpose(0, 2, 1)).max(axis=(1, 2))
-    if asymmetry.max() > precision.allowance:
+    if asymmetry.max() > precision.allowance or not semidefinite:  # an estimate fails on nothing else
         worst = int(asymmetry.argmax())
         raise ValueError(
-            f"G is not symmetric: max |G - G^T| / max_i G_ii = {asymmetry[worst]:.3g} "
-            f"(problem {worst} {where}{allows}"
+            f"G is not symmetric: max |G - G^T| / {unit} = {asymmetry[worst]:.3g}{where(worst)}{allows}"
         )
     lowest = np.linalg.eigvalsh(0.5 * (G + G.transpose(0, 2, 1)))[:, 0]
     worst = int(lowest.argmin())
     raise ValueError(
-        f"G is not positive semidefinite: smallest eigenvalue / max_i G_ii = {lowest[worst]:.3g} "
-        f"(problem {worst} {where}{allows}"
+        f"G is not positive semidefinite: smallest eigenvalue / max_i G_ii = {lowest[worst]:.3g}"
+        f"{where(worst)}{allows}"
     )
 
 

@@ -15,12 +15,13 @@ import torch
 from torch import Tensor
 
 from mogo._extras import require
-from mogo.weighting import Weights
+from mogo.gram import CheckedGram
+from mogo.weighting import CheckedWeighting, Weights
 
 __all__ = ["TorchJDWeighting"]
 
 
-class TorchJDWeighting:
+class TorchJDWeighting(CheckedWeighting):
     """Adapt a TorchJD weighting of the Gramian (``UPGradWeighting()``, ``MGDAWeighting()``, ...).
 
     Args:
@@ -45,13 +46,13 @@ class TorchJDWeighting:
             raise TypeError(f"weighting must be a TorchJD weighting, got {type(weighting).__name__}")
         self.weighting = weighting
 
-    def __call__(self, gram: Tensor, losses: Tensor) -> Weights:
+    def weigh(self, gram: CheckedGram, losses: Tensor) -> Weights:
+        K = gram.host.shape[0]
         with torch.no_grad():
-            weights = self.weighting(gram.to(torch.float64))
-        if weights.shape != gram.shape[-1:]:
+            weights = self.weighting(torch.from_numpy(gram.host).to(gram.device))
+        if weights.shape != (K,):
             raise ValueError(
-                f"{self.weighting!r} returned weights of shape {tuple(weights.shape)} "
-                f"for {gram.shape[-1]} objectives"
+                f"{self.weighting!r} returned weights of shape {tuple(weights.shape)} for {K} objectives"
             )
         return Weights.from_combination(weights.detach().to(torch.float64))
 

@@ -22,13 +22,13 @@ import numpy as np
 from torch import Tensor
 
 from mogo.dual_cone import DEFAULT_TOL, project_dual_cone
-from mogo.gram import ZERO_RTOL, gradient_norms, host_float64, nonzero_gradients
-from mogo.weighting import Certificate, Weights
+from mogo.gram import ZERO_RTOL, CheckedGram, gradient_norms, nonzero_gradients
+from mogo.weighting import Certificate, CheckedWeighting, Weights
 
 __all__ = ["UPGrad"]
 
 
-class UPGrad:
+class UPGrad(CheckedWeighting):
     """UPGrad weighting (Quinton & Rey 2024), solved exactly.
 
     Loss weights are ``w_k = s alpha_k / ||g_k||`` with ``s alpha_k = (1/K) sum_i ||g_i|| u^(i)_k``,
@@ -62,21 +62,21 @@ class UPGrad:
             raise ValueError(f"rtol must be in [0, 1), got {rtol}")
         self.tol, self.rtol = tol, rtol
 
-    def __call__(self, gram: Tensor, losses: Tensor) -> Weights:
-        G = host_float64(gram)
+    def weigh(self, gram: CheckedGram, losses: Tensor) -> Weights:
+        G = gram.host
         K = G.shape[0]
-        norms = gradient_norms(G)
-        if not norms.max() > 0:
-            raise ValueError(f"every one of the {K} gradients is zero: UPGrad has no direction")
-        active = nonzero_gradients(norms, self.rtol)
+        all_norms = gradient_norms(G)
+        active = nonzero_gradients(all_norms, self.rtol)
+        norms = all_norms[active]
         if not active.all():
-            G, norms = G[np.ix_(active, active)], norms[active]
-        # The K projections on the unit gradients' Gram matrix: the same problem, well scaled.
-        result = project_dual_cone(G / np.outer(norms, norms), tol=self.tol)
+            G = G[np.ix_(active, active)]
+        # The K projections on the unit gradients' Gram matrix: the same problem, well scaled,
+        # and known as well as G.
+        result = project_dual_cone(G / np.outer(norms, norms), tol=self.tol, precision=gram.precision)
         # v^(i) >= ||g_i|| e_i in those coordinates: by homogeneity ||g_i|| times the solve's rows.
         combination = np.zeros(K)
         combination[active] = norms @ result.weights.numpy() / K
-        divisor = np.where(active, gradient_norms(host_float64(gram)), 1.0)
+        divisor = np.where(active, all_norms, 1.0)
         certificate = Certificate(result.iterations.max(), result.kkt.max(), result.status, result.message)
         return Weights.from_combination(combination, divisor, certificate, device=gram.device)
 

@@ -12,6 +12,8 @@ what lets amortized steps reuse ``alpha``, ``c`` and ``s`` with a single backwar
 
 from __future__ import annotations
 
+import math
+from abc import ABC, abstractmethod
 from dataclasses import dataclass
 from typing import Literal, NamedTuple, Protocol
 
@@ -19,10 +21,18 @@ import numpy as np
 import torch
 from torch import Tensor
 
-from mogo.gram import Normalization, gradient_norms, host_float64, normalize_gram
+from mogo.gram import (
+    CheckedGram,
+    GramEstimate,
+    Normalization,
+    check_gram,
+    gradient_norms,
+    host_float64,
+    normalize_gram,
+)
 from mogo.solvers import Method, MinNormResult, min_norm
 
-__all__ = ["Certificate", "MinNorm", "WeightedSum", "Weighting", "Weights"]
+__all__ = ["Certificate", "CheckedWeighting", "MinNorm", "WeightedSum", "Weighting", "Weights"]
 
 
 class Certificate(NamedTuple):
@@ -68,6 +78,32 @@ class Weights:
         """``(K,)`` float64 ``w_k = s * alpha_k / c_k``."""
         return self.scale * self.alpha / self.divisor
 
+    def check(self, weighting: object) -> Weights:
+        """These weights, if ``alpha``, ``divisor``, ``scale`` and the loss weights are finite and
+        every ``c_k`` is positive.
+
+        Raises:
+            ValueError: naming ``weighting`` (its repr) and the values, e.g. an overflow of
+                ``s * alpha_k / c_k`` or a NaN from a weighting of one's own.
+        """
+        # A few dozen numbers: Python floats cost less than torch's ops, and s * a / c rounds
+        # as loss_weights does (a NaN anywhere makes some loss weight NaN).
+        alpha, divisor, scale = self.alpha.tolist(), self.divisor.tolist(), self.scale.item()
+        if (
+            all(map(math.isfinite, divisor))
+            and min(divisor) > 0
+            and all(math.isfinite(scale * a / c) for a, c in zip(alpha, divisor, strict=True))
+        ):
+            return self
+
+        def shown(tensor: Tensor) -> str:
+            return str([float(f"{x:.4g}") for x in tensor.reshape(-1).tolist()]).replace("'", "")
+
+        raise ValueError(
+            f"{weighting!r} returned weights that are not finite: loss weights {shown(self.loss_weights)} "
+            f"= scale {float(self.scale):.4g} * alpha {shown(self.alpha)} / divisor {shown(self.divisor)}"
+        )
+
     @classmethod
     def from_combination(
         cls,
@@ -101,7 +137,8 @@ class Weights:
 class Weighting(Protocol):
     """Anything that maps ``(G (K, K) float64, losses (K,))`` to :class:`Weights`.
 
-    A weighting with state of its own (:class:`mogo.PCGrad`'s generator) also defines
+    mogo's own derive from :class:`CheckedWeighting`, which checks ``G`` and the weights. A
+    weighting with state of its own (:class:`mogo.PCGrad`'s generator) also defines
     ``state_dict()``, ``load_state_dict(state)`` and ``state_problems(state) -> list[str]``;
     :class:`mogo.HarmonizedOptimizer` then checkpoints that state and restores it on a skipped step.
     """
@@ -109,7 +146,25 @@ class Weighting(Protocol):
     def __call__(self, gram: Tensor, losses: Tensor) -> Weights: ...
 
 
-class MinNorm:
+class CheckedWeighting(ABC):
+    """A :class:`Weighting` that checks what it is given and what it returns, so that a subclass's
+    :meth:`weigh` sees a valid ``G`` and its weights are finite: every weighting of mogo is one.
+
+    Calling it checks ``G`` by :func:`mogo.check_gram` (a :class:`mogo.GramEstimate` may be
+    indefinite) and the weights by :meth:`Weights.check`, each raising a ``ValueError`` that
+    names the problem.
+    """
+
+    def __call__(self, gram: Tensor | GramEstimate, losses: Tensor) -> Weights:
+        """The weights for ``gram`` ``(K, K)`` and ``losses`` ``(K,)``, both checked."""
+        return self.weigh(check_gram(gram), losses).check(self)
+
+    @abstractmethod
+    def weigh(self, gram: CheckedGram, losses: Tensor) -> Weights:
+        """The weights for a checked Gram matrix and the ``(K,)`` losses."""
+
+
+class MinNorm(CheckedWeighting):
     """MGDA / MARBLE: the minimum-norm point of the hull of the normalised gradients.
 
     Args:
@@ -118,7 +173,7 @@ class MinNorm:
         scale: ``"mean_norm"`` (the default for ``"l2"``: ``s`` is the mean gradient norm, so the
             update equals the mean gradient when all gradients agree and learning rates carry
             over from weighted-sum training), ``"unit"`` (``s = 1``, the default otherwise) or a
-            positive number.
+            positive finite number.
 
     Example:
         >>> import torch, mogo
@@ -140,15 +195,15 @@ class MinNorm:
         scale = ("mean_norm" if normalize == "l2" else "unit") if scale is None else scale
         if isinstance(scale, str) and scale not in ("mean_norm", "unit"):
             raise ValueError(f"scale must be 'mean_norm', 'unit' or a positive number, got {scale!r}")
-        if not isinstance(scale, str) and not float(scale) > 0:
-            raise ValueError(f"scale must be positive, got {scale}")
+        if not isinstance(scale, str) and not 0 < float(scale) < math.inf:
+            raise ValueError(f"scale must be a positive finite number, got {scale}")
         self.normalize, self.method, self.scale = normalize, method, scale
 
-    def __call__(self, gram: Tensor, losses: Tensor) -> Weights:
+    def weigh(self, gram: CheckedGram, losses: Tensor) -> Weights:
         normalized = normalize_gram(gram, self.normalize, losses=losses)
-        result = min_norm(normalized.gram, method=self.method)
+        result = min_norm(normalized.gram, method=self.method, precision=normalized.precision)
         if self.scale == "mean_norm":
-            scale = float(gradient_norms(host_float64(gram)).mean())
+            scale = float(gradient_norms(gram.host).mean())
         else:
             scale = 1.0 if self.scale == "unit" else float(self.scale)
         scale = torch.tensor(scale, dtype=torch.float64, device=gram.device)
@@ -158,26 +213,28 @@ class MinNorm:
         return f"MinNorm(normalize={self.normalize!r}, method={self.method!r}, scale={self.scale!r})"
 
 
-class WeightedSum:
+class WeightedSum(CheckedWeighting):
     """The scalarisation baseline ``d = sum_k w_k g_k`` with fixed weights, through the same path.
 
     Args:
-        weights: ``(K,)`` non-negative, not all zero.
+        weights: ``(K,)`` non-negative, not all zero, with a finite sum.
     """
 
     def __init__(self, weights: Tensor | list[float]) -> None:
         weights = torch.as_tensor(weights, dtype=torch.float64).reshape(-1)
         if weights.numel() == 0 or not bool(torch.isfinite(weights).all()) or bool((weights < 0).any()):
             raise ValueError(f"weights must be finite and non-negative, got {weights.tolist()}")
-        if not bool(weights.sum() > 0):
+        total = float(weights.sum())
+        if not total > 0:
             raise ValueError("weights must not all be zero")
+        if total == math.inf:
+            raise ValueError(f"weights must have a finite sum, got {weights.tolist()}, whose sum overflows")
         self.weights = weights
 
-    def __call__(self, gram: Tensor, losses: Tensor) -> Weights:
-        if gram.shape[-1] != self.weights.numel():
-            raise ValueError(
-                f"WeightedSum has {self.weights.numel()} weights for {gram.shape[-1]} objectives"
-            )
+    def weigh(self, gram: CheckedGram, losses: Tensor) -> Weights:
+        K = gram.host.shape[0]
+        if self.weights.numel() != K:
+            raise ValueError(f"WeightedSum has {self.weights.numel()} weights for {K} objectives")
         weights = self.weights.to(gram.device)
         total = weights.sum()
         return Weights(weights / total, torch.ones_like(weights), total)

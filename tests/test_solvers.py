@@ -378,3 +378,43 @@ def test_nan_or_inf_anywhere_raises_value_error_without_warnings(K, i, j, bad):
     G[i, j] = G[j, i] = bad  # symmetric Infs subtract to NaN: no warning may escape (pyproject)
     with pytest.raises(ValueError, match="NaN or Inf"):
         mogo.min_norm(G)
+
+
+def outcome(G: torch.Tensor) -> mogo.MinNormResult | str:
+    """min_norm's result on ``G``, or the message of its ValueError."""
+    try:
+        return mogo.min_norm(G, throw=False)
+    except ValueError as error:
+        return str(error)
+
+
+@given(problems(max_k=8), st.integers(-323, -308))
+def test_a_subnormal_gram_matrix_is_solved_alone_as_in_a_batch(problem, exponent):
+    # Issue 39, item 11: the single-problem path multiplied by 1 / max_i G_ii, which overflows for
+    # a subnormal G, and raised ZeroDivisionError where the batched path solved the same G.
+    _, G = problem
+    scale = max_diag(G)
+    G = G / scale * 10.0**exponent if scale > 0 else G  # rounded to the subnormal's few bits
+    single, batched = outcome(G), outcome(G[None])
+    if isinstance(batched, str):
+        assert single == batched  # e.g. rounding made it indefinite: the same error
+        return
+    assert (single.status, single.message) == (batched.status, batched.message)
+    # both certified on G as rounded (G / max_i G_ii is exact: a division of subnormals by one)
+    unit = G / max_diag(G) if max_diag(G) > 0 else G
+    for alpha in (single.alpha, batched.alpha[0]):
+        assert_min_norm_optimal(unit, alpha, tol=2e-12)
+
+
+def test_precision_declares_how_well_a_float64_gram_matrix_is_known():
+    J = torch.randn(10, 3, generator=torch.Generator().manual_seed(0))
+    G = J @ J.T  # float32, rank 3: its zero eigenvalues off by float32's round-off
+    with pytest.raises(ValueError, match=r"round-off in a 10 x 10 float64 G allows 2\.2e-13"):
+        mogo.min_norm(G.double())
+    declared = mogo.min_norm(G.double(), precision=torch.float32)
+    assert declared.message == mogo.min_norm(G).message  # certified as the float32 G itself
+    torch.testing.assert_close(declared.alpha, mogo.min_norm(G).alpha.double(), rtol=0, atol=1e-6)
+    assert mogo.project_dual_cone(G.double(), precision=torch.float32).status == "success"
+    assert mogo.normalize_gram(G).precision == torch.float32
+    with pytest.raises(ValueError, match=r"precision must be a floating torch\.dtype, got 'float32'"):
+        mogo.min_norm(G, precision="float32")

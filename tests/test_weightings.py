@@ -490,6 +490,271 @@ def test_signed_weights_keep_their_sign_in_alpha():
     torch.testing.assert_close(weights.scale * weights.alpha, weights.loss_weights)
 
 
+# The checks of G and of the weights (issue 39) --------------------------------------------------
+
+# Options a weighting cannot do without, by name; every other registered weighting is built with
+# its defaults, so one registered later is covered by the tests below as it is.
+REQUIRED = {"weighted_sum": lambda K: {"weights": [1.0] * K}}
+NAMES = [*sorted(mogo.WEIGHTINGS), "torchjd_upgrad"]
+NAN, INF = float("nan"), float("inf")
+
+
+def build(name: str, K: int) -> mogo.Weighting:
+    """The weighting registered as ``name`` for K objectives, or the TorchJD adapter."""
+    if name == "torchjd_upgrad":
+        return mogo.TorchJDWeighting(torchjd_aggregation.UPGradWeighting())
+    return mogo.make_weighting(name, **REQUIRED.get(name, lambda K: {})(K))
+
+
+def allowance(dtype: torch.dtype, K: int) -> float:
+    """min_norm's documented round-off allowance of a K x K G, relative to max_i G_ii."""
+    eps = torch.finfo(dtype).eps
+    return K * eps if eps > EPS else 100 * K * EPS
+
+
+BAD_GRAMS = {
+    "nan": (torch.tensor([[1.0, NAN], [NAN, 1.0]]), r"G contains NaN or Inf: entry \(0, 1\) is nan"),
+    "nan_diagonal": (torch.tensor([[NAN, 0.0], [0.0, 1.0]]), r"NaN or Inf: entry \(0, 0\) is nan"),
+    "inf_diagonal": (torch.tensor([[1.0, 0.0], [0.0, INF]]), r"NaN or Inf: entry \(1, 1\) is inf"),
+    "indefinite": (
+        torch.tensor([[1.0, 2.0], [2.0, 1.0]], dtype=torch.float64),
+        r"not positive semidefinite: smallest eigenvalue / max_i G_ii = -1; round-off in a 2 x 2 "
+        r"float64 G allows 4\.4e-14$",
+    ),
+    "negative_diagonal": (torch.tensor([[-1.0, 0.0], [0.0, -2.0]]), "largest diagonal entry is -1$"),
+    "asymmetric": (
+        torch.tensor([[1.0, 0.5], [0.0, 1.0]]),
+        r"not symmetric: max \|G - G\^T\| / max_i G_ii = 0\.5; round-off in a 2 x 2 float32 G "
+        r"allows 2\.4e-07",
+    ),
+    "complex": (torch.eye(2, dtype=torch.complex128), "G must be real, got dtype torch.complex128"),
+    "not_square": (torch.ones(2, 3), r"G must have shape \(K, K\), got \(2, 3\)$"),
+    "batched": (torch.eye(2).expand(3, 2, 2), r"got \(3, 2, 2\): a weighting takes one G, not a batch"),
+    "empty": (torch.zeros(0, 0), r"G is empty \(shape \(0, 0\)\)"),
+    "zero": (torch.zeros(2, 2), "G is 0: every one of the 2 gradients is zero, so there is no direction"),
+}
+
+
+@pytest.mark.parametrize("name", NAMES)
+@pytest.mark.parametrize("fault", sorted(BAD_GRAMS))
+def test_every_weighting_refuses_a_bad_gram_matrix_naming_what_is_wrong(name, fault):
+    # Issue 39, item 8: CAGrad, IMTLG, AlignedMTL and PCGrad returned weights for a NaN, Inf,
+    # indefinite or asymmetric G, all accepted a complex one, the others named the wrong fault.
+    G, match = BAD_GRAMS[fault]
+    with warnings.catch_warnings():
+        warnings.simplefilter("error")  # no casting or arithmetic warning on the way to the error
+        with pytest.raises(ValueError, match=match):
+            build(name, 2)(G, torch.ones(2))
+
+
+@pytest.mark.parametrize("name", sorted(mogo.WEIGHTINGS))  # TorchJD's UPGrad overflows tr(G)
+def test_every_weighting_weighs_a_gram_matrix_near_overflow_as_it_does_a_small_one(name):
+    # The entries' sum overflows (the fast check's test of finiteness), and (G + G^T) / 2 would:
+    # every step must stay finite. 2**1023 scales exactly; the normalisations that are not
+    # powers of two (square roots of G_kk) round by an eps, moved to the weights by at most the
+    # condition number (checked below 1000) times K eps.
+    K = 12
+    J = torch.randn(K, K + 2, generator=torch.Generator().manual_seed(0), dtype=torch.float64)
+    small = J @ J.T / float((J @ J.T).diagonal().max())
+    condition = float(torch.linalg.cond(small))
+    assert condition < 1000
+    huge = small * 2.0**1023
+    assert not np.isfinite(huge.sum().item())
+    with warnings.catch_warnings():
+        warnings.simplefilter("error")
+        weights = build(name, K)(huge, torch.ones(K))
+    expected = build(name, K)(small, torch.ones(K))
+    assert float((weights.alpha - expected.alpha).abs().max()) <= condition * K * EPS
+
+
+@st.composite
+def perturbed(draw: st.DrawFn) -> tuple[torch.Tensor, float, float]:
+    """``(G, asymmetry, lowest)``: a family's Gram matrix with its smallest eigenvalue moved and an
+    antisymmetric part added, each a random multiple (0 to 10) of its dtype's allowance ``a``, at
+    a scale the dtype holds, rounded to the dtype; then its asymmetry ``max |G - G^T|`` and the
+    smallest eigenvalue of its symmetric part, both over ``max_i G_ii`` and ``a``, measured in
+    float64 on the rounded matrix (rounding moves them by up to about ``a / 2``)."""
+    dtype = draw(st.sampled_from([torch.float64, torch.float32, torch.bfloat16, torch.float16]))
+    family = draw(st.sampled_from(sorted(FAMILIES)))
+    K = draw(st.integers(2, 12))
+    seed = draw(st.integers(0, 2**31 - 1))
+    _, G = gradient_family(family, K, dim=draw(st.integers(1, 16)), seed=seed)
+    if not float(G.diagonal().max()) > 0:
+        G = torch.eye(K, dtype=torch.float64)
+    a = allowance(dtype, K)
+    values, vectors = torch.linalg.eigh(G / G.diagonal().max())
+    values[0] = -draw(st.floats(0, 10)) * a
+    noise = torch.from_numpy(np.random.default_rng(seed).standard_normal((K, K)))
+    antisymmetric = (noise - noise.T) / (noise - noise.T).abs().max().clamp_min(1e-300)
+    G = (vectors * values) @ vectors.T + draw(st.floats(0, 10)) * a * antisymmetric
+    exponent = draw(st.integers(-2, 2) if dtype == torch.float16 else st.integers(-30, 30))
+    G = (G * 10.0**exponent).to(dtype)
+    G64 = G.to(torch.float64)
+    scale = float(G64.diagonal().max())
+    asymmetry = float((G64 - G64.T).abs().max()) / scale / a
+    lowest = float(torch.linalg.eigvalsh((G64 + G64.T) / 2)[0]) / scale / a
+    return G, asymmetry, lowest
+
+
+def refuses(solve) -> bool:
+    try:
+        solve()
+    except ValueError:
+        return True
+    return False
+
+
+@given(perturbed())
+def test_check_gram_allows_what_min_norm_allows_and_no_more(case):
+    # The one rule: asymmetry and negative eigenvalues within the dtype's allowance a (relative to
+    # max_i G_ii) are round-off; beyond it, an error. Judged where the rounded matrix is clearly on
+    # one side (below a / 2, above 2 a): float64 eigenvalues err by about K eps64, far less.
+    G, asymmetry, lowest = case
+    if asymmetry <= 0.5 and lowest >= -0.5:
+        expected = False
+    elif asymmetry >= 2 or lowest <= -2:
+        expected = True
+    else:
+        return
+    assert refuses(lambda: mogo.check_gram(G)) == expected
+    assert refuses(lambda: mogo.min_norm(G, throw=False)) == expected
+
+
+@st.composite
+def cross_fitted(draw: st.DrawFn) -> torch.Tensor:
+    """``(G_12 + G_21) / 2`` from two half-batches of K noisy gradients: often indefinite."""
+    K = draw(st.integers(2, 10))
+    rng = np.random.default_rng(draw(st.integers(0, 2**31 - 1)))
+    signal = rng.standard_normal((K, 6)) * 10.0 ** rng.uniform(-2, 2, (K, 1))
+    noise = 10.0 ** draw(st.floats(-2, 1))
+    first, second = (signal + noise * rng.standard_normal((K, 6)) for _ in range(2))
+    cross = torch.from_numpy(first @ second.T)
+    return (cross + cross.T) / 2
+
+
+@given(cross_fitted())
+def test_a_declared_estimate_is_weighed_as_its_nearest_gram_matrix(S):
+    K = S.shape[0]
+    values, vectors = torch.linalg.eigh(S)
+    nearest = (vectors * values.clamp_min(0)) @ vectors.T
+    # Refused where the nearest Gram matrix is round-off: its largest diagonal entry within the
+    # allowance of the estimate's largest entry (judged with a margin of 2 either way).
+    largest = float(nearest.diagonal().max() / S.abs().max()) / allowance(torch.float64, K)
+    if largest <= 0.5:
+        with pytest.raises(ValueError, match="nearest Gram matrix is 0 within round-off"):
+            mogo.check_gram(mogo.GramEstimate(S))
+    if largest < 2:
+        return
+    checked = mogo.check_gram(mogo.GramEstimate(S))
+    # The projection on the PSD cone is 1-Lipschitz in Frobenius norm, and each eigensolver is
+    # backward stable (an error of about K eps ||S||_F): the two projections differ by a few of it.
+    assert float((torch.from_numpy(checked.host) - nearest).norm()) <= 10 * K * EPS * float(S.norm())
+    if float(values[0]) < -2 * allowance(torch.float64, K) * float(S.diagonal().max()):
+        with pytest.raises(ValueError, match="not positive semidefinite"):  # undeclared: an error
+            mogo.check_gram(S)
+    plain = torch.from_numpy(checked.host.copy())
+    for name in NAMES:
+        weights = build(name, K)(mogo.GramEstimate(S), torch.ones(K)).loss_weights
+        assert torch.equal(weights, build(name, K)(plain, torch.ones(K)).loss_weights), name
+
+
+def test_an_estimate_is_checked_but_for_semidefiniteness():
+    with pytest.raises(ValueError, match=r"not symmetric: max \|G - G\^T\| / max_ij \|G_ij\| = 0\.5"):
+        mogo.check_gram(mogo.GramEstimate(torch.tensor([[-1.0, 0.5], [0.0, 1.0]])))
+    with pytest.raises(ValueError, match=r"NaN or Inf: entry \(0, 0\) is nan"):
+        mogo.check_gram(mogo.GramEstimate(torch.tensor([[NAN, 0.0], [0.0, 1.0]])))
+    with pytest.raises(ValueError, match="nearest Gram matrix is 0 within round-off"):
+        mogo.UPGrad()(mogo.GramEstimate(-torch.eye(3)), torch.ones(3))
+    with pytest.raises(TypeError, match=r"G must be a torch\.Tensor or a mogo\.GramEstimate, got ndarray"):
+        mogo.check_gram(np.eye(2))
+
+
+LOW_PRECISION = [torch.float32, torch.bfloat16, torch.float16]
+
+
+@pytest.mark.parametrize("name", sorted(mogo.WEIGHTINGS))  # TorchJD's quadprog refuses some
+@pytest.mark.parametrize("dtype", LOW_PRECISION, ids=str)
+def test_every_weighting_accepts_a_low_precision_gram_that_min_norm_certifies(name, dtype):
+    # Issue 39, item 10: MinNorm, mgda, UPGrad and NashMTL refused these: normalize_gram cast G to
+    # float64 and the solvers then allowed it float64's round-off instead of its own.
+    K = 10
+    for seed in range(10):
+        J = torch.randn(K, 3, generator=torch.Generator().manual_seed(seed), dtype=torch.float64)
+        J = (J / J.norm(dim=1).max()).to(dtype)
+        G = J @ J.T  # rank 3, its seven zero eigenvalues off by the dtype's round-off
+        assert mogo.min_norm(G).status == "success"
+        weights = build(name, K)(G, torch.ones(K))
+        if isinstance(weights.solve, mogo.MinNormResult):
+            assert float(weights.solve.kkt) <= 1e-12 + allowance(dtype, K)
+
+
+def duplicated(r: int, seed: int) -> torch.Tensor:
+    """The Gram matrix (float64, K = 2 r) of r orthonormal directions, each twice, at random
+    norms in [1, 2]: blocks ``[[a^2, a b], [a b, b^2]]``, eigenvalues ``a^2 + b^2`` (2 to 8) and 0."""
+    rng = np.random.default_rng(seed)
+    U, _ = np.linalg.qr(rng.standard_normal((r + 3, r)))
+    J = torch.from_numpy(np.repeat(U.T, 2, axis=0) * rng.uniform(1, 2, size=(2 * r, 1)))
+    return J @ J.T
+
+
+@pytest.mark.parametrize("name", ["imtl_g", "aligned_mtl"])
+@pytest.mark.parametrize("dtype", LOW_PRECISION, ids=str)
+def test_closed_forms_of_a_low_precision_gram_cut_its_round_off_eigenvalues(name, dtype):
+    # Issue 39, item 10: the pseudo-inverse cut eigenvalues at float64's K eps lambda_max, so a
+    # float32 G's zero eigenvalues, off by 1e-8, were inverted and set the weights.
+    # Rounding errs by eps/2 of each entry (at most 4): 4 eps in spectral norm per block, against
+    # kept eigenvalues of 2 to 8 and zero ones within the allowance. To first order (Wedin's bound
+    # for G^+, 1.62 ||E|| ||G^+||^2; G^(-1/2) is better conditioned) the weights move by a few eps
+    # times the condition number (4) of the kept part: 32 eps bounds it.
+    eps = torch.finfo(dtype).eps
+    for r in (1, 2, 3, 5, 8):
+        for seed in range(10):
+            G = duplicated(r, seed)
+            exact = build(name, 2 * r)(G, torch.ones(2 * r)).loss_weights
+            rounded = build(name, 2 * r)(G.to(dtype), torch.ones(2 * r)).loss_weights
+            assert float((rounded - exact).abs().max()) <= 32 * eps * float(exact.abs().max())
+
+
+def test_mgda_solves_a_subnormal_gram_matrix():
+    # Issue 39, item 11: 1e-309 G raised ZeroDivisionError in min_norm's single-problem path.
+    G = torch.tensor([[2.0, 1.0], [1.0, 4.0]], dtype=torch.float64) * 1e-309
+    weights = mogo.make_weighting("mgda")(G, torch.ones(2)).loss_weights
+    # alpha_1 = (G22 - G12) / (G11 + G22 - 2 G12) = 3/4, to the 47 bits a subnormal 1e-309 keeps
+    torch.testing.assert_close(weights, torch.tensor([0.75, 0.25], dtype=torch.float64), rtol=1e-6, atol=0)
+
+
+def test_constructor_arguments_that_make_weights_overflow_are_refused():
+    # Issue 39, item 9: MinNorm(scale=inf) was accepted; WeightedSum([1e308, 1e308]) gave NaN.
+    for scale in (INF, NAN, -1.0):
+        with pytest.raises(ValueError, match=f"scale must be a positive finite number, got {scale}"):
+            mogo.MinNorm(scale=scale)
+    with pytest.raises(ValueError, match=r"finite sum, got \[1e\+308, 1e\+308\], whose sum overflows"):
+        mogo.WeightedSum([1e308, 1e308])
+    with pytest.raises(ValueError, match="finite and non-negative"):
+        mogo.WeightedSum([INF, 1.0])
+
+
+def test_weights_that_are_not_finite_raise_naming_the_weighting_and_the_values():
+    # Issue 39, item 9: a TorchJD weighting's NaN passed through; an overflow of s alpha_k / c_k
+    # (a scale of 1e308 over gradient norms of 1e-100) gave infinite loss weights.
+    nan_weighting = torchjd_aggregation.ConstantWeighting(torch.tensor([NAN, 1.0], dtype=torch.float64))
+    with pytest.raises(
+        ValueError,
+        match=r"^TorchJDWeighting\(ConstantWeighting\(.*\)\) returned weights that are not finite: "
+        r"loss weights \[nan, nan\] = scale nan \* alpha \[0\.5, 0\.5\] / divisor \[1\.0, 1\.0\]$",
+    ):
+        mogo.TorchJDWeighting(nan_weighting)(torch.eye(2, dtype=torch.float64), torch.ones(2))
+    tiny = 1e-200 * torch.eye(2, dtype=torch.float64)
+    with pytest.raises(
+        ValueError,
+        match=r"^MinNorm\(normalize='l2', method='auto', scale=1e\+308\) returned weights that are not "
+        r"finite: loss weights \[inf, inf\] = scale 1e\+308 \* alpha \[0\.5, 0\.5\] / divisor "
+        r"\[1e-100, 1e-100\]$",
+    ):
+        mogo.MinNorm(scale=1e308)(tiny, torch.ones(2))
+    assert torch.isfinite(mogo.MinNorm(scale=1.0)(tiny, torch.ones(2)).loss_weights).all()
+
+
 # Through HarmonizedOptimizer ------------------------------------------------------------------
 
 
@@ -615,3 +880,40 @@ def test_pcgrads_generator_is_checkpointed_and_restored_on_a_skipped_step():
     missing = {**state, "mogo": {k: v for k, v in state["mogo"].items() if k != "weighting"}}
     with pytest.raises(ValueError, match=r"mogo\.weighting: missing"):
         resumed.load_state_dict(missing)
+
+
+class OwnAdapter:
+    """A weighting of one's own, outside mogo's checks (the Weighting protocol only): a TorchJD
+    weighting's answer taken as it comes."""
+
+    def __init__(self, weighting) -> None:
+        self.weighting = weighting
+
+    def __call__(self, gram: torch.Tensor, losses: torch.Tensor) -> mogo.Weights:
+        return mogo.Weights.from_combination(self.weighting(gram))
+
+    def __repr__(self) -> str:
+        return f"OwnAdapter({self.weighting!r})"
+
+
+@pytest.mark.parametrize("nonfinite", ["raise", "skip", "drop"])
+@pytest.mark.parametrize("adapter", [mogo.TorchJDWeighting, OwnAdapter])
+def test_the_optimizer_refuses_weights_that_are_not_finite_under_every_policy(nonfinite, adapter):
+    # Issue 39, item 9: NaN weights made .grad NaN; the optimizer then blamed the parameters, and
+    # under nonfinite="skip" every step was skipped without a word.
+    model = mlp(0)
+    before = [p.detach().clone() for p in model.parameters()]
+    weighting = adapter(
+        torchjd_aggregation.ConstantWeighting(torch.tensor([1.0, NAN, 1.0], dtype=torch.float64))
+    )
+    opt = mogo.HarmonizedOptimizer(
+        torch.optim.SGD(model.parameters(), lr=0.1), 3, weighting=weighting, nonfinite=nonfinite
+    )
+    opt.zero_grad()
+    with pytest.raises(
+        ValueError, match=rf"^{adapter.__name__}\(ConstantWeighting.*not finite: loss weights \[nan"
+    ):
+        opt.backward(regression_losses(model, 0))
+    assert opt.amortizer.step == 0
+    for p, q in zip(model.parameters(), before, strict=True):
+        assert torch.equal(p, q)
