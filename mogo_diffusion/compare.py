@@ -200,8 +200,8 @@ def _weighting_arm(arm: str) -> bool:
     return arm.endswith("_n10") and name in mogo.WEIGHTINGS and name != "weighted_sum"
 
 
-LEGACY = "no run record (run.json): read as it is, checked only on its epochs and final evaluation"
-REFUSED = ("refuse", "legacy")
+_LEGACY = "no run record (run.json): read as it is, checked only on its epochs and final evaluation"
+_REFUSED = ("refuse", "legacy")
 """The actions :func:`run_all` refuses: a run it may not train over, or reuse unchecked."""
 
 
@@ -328,7 +328,7 @@ def _legacy(run: Path, config: Config, final: str | None) -> Decision:
         wanted = (len(load_prompt_set(final).prompts), config.sampling.eval_num_steps)
         if (result.get("num_prompts"), result.get("eval_num_steps")) != wanted:
             return Decision("refuse", f"{unchecked}, and it has no final evaluation of {final}; move it away")
-    return Decision("legacy", LEGACY)
+    return Decision("legacy", _LEGACY)
 
 
 def done(config: Config, final: str | None = None) -> bool:
@@ -345,7 +345,7 @@ def report(decisions: Mapping[tuple, Decision], configs: Mapping[tuple, Config])
             tqdm.write(f"{decision.action} {configs[key].train.out_dir}: {decision.why}")
     counts = Counter(decision.action for decision in decisions.values())
     summary = ", ".join(f"{count} {action}" for action, count in counts.items())
-    tqdm.write(f"runs: {summary}" + (f" (legacy: {LEGACY})" if "legacy" in counts else ""))
+    tqdm.write(f"runs: {summary}" + (f" (legacy: {_LEGACY})" if "legacy" in counts else ""))
 
 
 def _named(differences: Sequence[tuple[str, Any, Any]]) -> str:
@@ -494,7 +494,7 @@ def run_all(
     """
     decisions = {key: decide(c, final) for key, c in configs.items()}
     report(decisions, configs)
-    refused = [f"{configs[k].train.out_dir}: {d.why}" for k, d in decisions.items() if d.action in REFUSED]
+    refused = [f"{configs[k].train.out_dir}: {d.why}" for k, d in decisions.items() if d.action in _REFUSED]
     if refused:
         raise RunDirError(f"{len(refused)} run(s) refused, nothing trained:\n" + "\n".join(refused))
     means = evaluate_base(next(iter(configs.values())), base)

@@ -19,7 +19,7 @@ Beside ``config.yaml``, ``checkpoints/``, ``samples.png`` and ``curves.png``, a 
   final checkpoint and the figures: the fingerprint, the epochs trained, and the final
   checkpoint's name and digest. A run without it is unfinished, however far its metrics go.
 
-Paths to files shipped in the :mod:`mogo_diffusion` package are recorded relative to it
+Paths to files shipped in the ``mogo_diffusion`` package are recorded relative to it
 (``mogo_diffusion/shapes/pipeline``; :func:`portable`), so a run directory means the same in every
 checkout; any other path is compared as written.
 
@@ -79,7 +79,7 @@ __all__ = [
 ]
 
 RECORD = "run.json"
-"""The run's record: its config and fingerprint."""
+"""The file of the run's record, its config and fingerprint."""
 LOCK = "run.lock"
 """The file a training process holds its claim on (its pid inside, for the messages of others)."""
 METRICS = "metrics.jsonl"
@@ -139,7 +139,7 @@ def defining_differences(saved: Mapping[str, Any], current: Mapping[str, Any]) -
 
 
 def portable(value: Any) -> Any:
-    """``value`` (plain data) with every absolute path into the :mod:`mogo_diffusion` package
+    """``value`` (plain data) with every absolute path into the ``mogo_diffusion`` package
     written relative to it, ``mogo_diffusion/<path inside>``: the same in every checkout."""
     if isinstance(value, dict):
         return {key: portable(item) for key, item in value.items()}
@@ -151,9 +151,10 @@ def portable(value: Any) -> Any:
 
 
 def fingerprint(config: Config | Mapping[str, Any]) -> str:
-    """The SHA-256 (hex) of the run-defining part of ``config`` (a :class:`Config` or its
-    ``to_dict()``): every field but :data:`RESUME_MAY_CHANGE`, paths in :func:`portable` form.
-    Two configs have the same fingerprint exactly when a resume of one may continue the other."""
+    """The SHA-256 (hex) of the run-defining part of ``config`` (a
+    :class:`~mogo_diffusion.config.Config` or its ``to_dict()``): every field but
+    :data:`RESUME_MAY_CHANGE`, paths in :func:`portable` form. Two configs have the same
+    fingerprint exactly when a resume of one may continue the other."""
     data = copy.deepcopy(portable(config.to_dict() if isinstance(config, Config) else dict(config)))
     for field in RESUME_MAY_CHANGE:  # all of them "section.key"
         section, key = field.split(".")
@@ -304,7 +305,7 @@ def _progress(directory: Path) -> str:
     except RunDirError as error:
         return str(error)
     if marker is not None:
-        return f"finished after {marker['epochs']} epochs"
+        return f"finished, train.epochs={marker['epochs']}"
     checkpoints = list_checkpoints(directory / "checkpoints")
     return f"unfinished, latest checkpoint {checkpoints[-1][1].name}" if checkpoints else "unfinished"
 
@@ -378,7 +379,7 @@ def read_metrics(directory: str | os.PathLike[str]) -> list[dict[str, Any]]:
         raise FileNotFoundError(f"no metrics file at {str(path)!r}")
     lines = path.read_text().splitlines()
     records: list[dict[str, Any]] = []
-    repeated = []
+    replaced: set[int] = set()
     for number, line in enumerate(lines, start=1):
         if not line.strip():
             continue
@@ -396,15 +397,13 @@ def read_metrics(directory: str | os.PathLike[str]) -> list[dict[str, Any]]:
                 )
                 break
             raise RunDirError(f"{str(path)!r}: line {number} is not a metrics record: {error}") from None
-        if records and records[-1]["epoch"] >= epoch:
-            repeated.append(epoch)
         while records and records[-1]["epoch"] >= epoch:
-            records.pop()
+            replaced.add(records.pop()["epoch"])
         records.append(record)
-    if repeated:
+    if replaced:
         warnings.warn(
-            f"{str(path)!r} logs epochs {sorted(set(repeated))} again after later ones (a resumed "
-            "run): the last attempt of each is read",
+            f"{str(path)!r} logs epochs {sorted(replaced)} more than once (a run resumed by an earlier "
+            "version): the last attempt of each is read",
             stacklevel=2,
         )
     return records

@@ -473,12 +473,19 @@ def _unfinished_seeds(runs: Mapping[tuple[str, str, int], Config], final: str) -
 
     Raises:
         RunDirError: a run is refused (another config's, in use, or damaged)."""
-    decisions = {key: compare.decide(config, final) for key, config in runs.items()}
+    decisions = {key: _read_only(compare.decide(config, final)) for key, config in runs.items()}
     compare.report(decisions, runs)
     refused = [f"{runs[key].train.out_dir}: {d.why}" for key, d in decisions.items() if d.action == "refuse"]
     if refused:
         raise RunDirError(f"{len(refused)} run(s) refused:\n" + "\n".join(refused))
-    return {seed for (_, _, seed), d in decisions.items() if d.action not in ("reuse", "legacy")}
+    return {seed for (_, _, seed), d in decisions.items() if d.action == "skip"}
+
+
+def _read_only(decision: compare.Decision) -> compare.Decision:
+    """``decision`` for ``--no-train``: a run that would be trained or evaluated is skipped."""
+    if decision.action in ("reuse", "legacy", "refuse"):
+        return decision
+    return compare.Decision("skip", f"{decision.why}: its seed is left out")
 
 
 def _parser() -> argparse.ArgumentParser:
