@@ -201,8 +201,6 @@ def _weighting_arm(arm: str) -> bool:
 
 
 _LEGACY = "no run record (run.json): read as it is, checked only on its epochs and final evaluation"
-_REFUSED = ("refuse", "legacy")
-"""The actions :func:`run_all` refuses: a run it may not train over, or reuse unchecked."""
 
 
 class Decision(NamedTuple):
@@ -259,10 +257,11 @@ def _unfinished(run: Path) -> Decision:
     return Decision("resume", f"unfinished, from {checkpoint.name}")
 
 
-def _check_metrics(run: Path, epochs: int) -> list[dict]:
-    """``run``'s metrics records, which must end at epoch ``epochs - 1``.
+def _check_metrics(run: Path, epochs: int) -> None:
+    """Check that ``run``'s metrics records end at epoch ``epochs - 1``.
 
     Raises:
+        FileNotFoundError: there are none.
         RunDirError: they do not (the file was damaged after the run finished)."""
     records = read_metrics(run)
     last = records[-1]["epoch"] if records else None
@@ -271,7 +270,6 @@ def _check_metrics(run: Path, epochs: int) -> list[dict]:
             f"{str(run / run_dir.METRICS)!r} ends at epoch {last}, not {epochs - 1}: it was damaged after "
             "the run finished; move the run away to train it again"
         )
-    return records
 
 
 def _final_evaluation(run: Path, config: Config, final: str) -> Decision:
@@ -476,6 +474,17 @@ def _evaluate_pretrained(config: Config, path: Path, key: dict[str, Any]) -> dic
     return means
 
 
+def _to_train(decision: Decision) -> Decision:
+    """``decision`` for a tool that trains: a legacy run, whose config cannot be checked, is refused."""
+    if decision.action != "legacy":
+        return decision
+    why = (
+        "no run record (run.json), so its config cannot be checked: `python -m mogo_diffusion.study "
+        "--no-train` reads such runs; to train, use another --out"
+    )
+    return Decision("refuse", why)
+
+
 def run_all(
     configs: Mapping[tuple, Config], base: Path, *, jobs: int, final: str | None = None
 ) -> dict[str, float]:
@@ -492,9 +501,9 @@ def run_all(
         RunDirError: a run is refused (another config's, a legacy or damaged one, one in use), or
             the base cache is another request's; nothing is trained, and nothing deleted.
     """
-    decisions = {key: decide(c, final) for key, c in configs.items()}
+    decisions = {key: _to_train(decide(c, final)) for key, c in configs.items()}
     report(decisions, configs)
-    refused = [f"{configs[k].train.out_dir}: {d.why}" for k, d in decisions.items() if d.action in _REFUSED]
+    refused = [f"{configs[k].train.out_dir}: {d.why}" for k, d in decisions.items() if d.action == "refuse"]
     if refused:
         raise RunDirError(f"{len(refused)} run(s) refused, nothing trained:\n" + "\n".join(refused))
     means = evaluate_base(next(iter(configs.values())), base)

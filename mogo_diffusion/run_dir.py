@@ -35,7 +35,6 @@ True
 
 from __future__ import annotations
 
-import copy
 import hashlib
 import json
 import os
@@ -155,7 +154,7 @@ def fingerprint(config: Config | Mapping[str, Any]) -> str:
     :class:`~mogo_diffusion.config.Config` or its ``to_dict()``): every field but
     :data:`RESUME_MAY_CHANGE`, paths in :func:`portable` form. Two configs have the same
     fingerprint exactly when a resume of one may continue the other."""
-    data = copy.deepcopy(portable(config.to_dict() if isinstance(config, Config) else dict(config)))
+    data = portable(config.to_dict() if isinstance(config, Config) else dict(config))  # a fresh tree
     for field in RESUME_MAY_CHANGE:  # all of them "section.key"
         section, key = field.split(".")
         if isinstance(data.get(section), dict):
@@ -232,11 +231,11 @@ def write_json(path: str | os.PathLike[str], value: Any) -> None:
     os.replace(partial, path)
 
 
-def _read_json(path: Path, what: str) -> dict[str, Any] | None:
+def _read_json(path: Path, what: str, fields: tuple[str, ...]) -> dict[str, Any] | None:
     """The object in ``path``, None if there is no such file.
 
     Raises:
-        RunDirError: the file is not a JSON object of this format."""
+        RunDirError: the file is not a JSON object of this format with ``fields``."""
     if not path.is_file():
         return None
     try:
@@ -245,6 +244,8 @@ def _read_json(path: Path, what: str) -> dict[str, Any] | None:
         raise RunDirError(f"{str(path)!r}, the {what}, is damaged: {error}") from None
     if not isinstance(value, dict) or value.get("format") != _FORMAT:
         raise RunDirError(f"{str(path)!r} is not a {what} of format {_FORMAT}")
+    if missing := [field for field in fields if field not in value]:
+        raise RunDirError(f"{str(path)!r}, the {what}, lacks {', '.join(missing)}")
     return value
 
 
@@ -254,7 +255,7 @@ def read_record(directory: str | os.PathLike[str]) -> dict[str, Any] | None:
 
     Raises:
         RunDirError: the record is damaged."""
-    return _read_json(Path(directory) / RECORD, "run record")
+    return _read_json(Path(directory) / RECORD, "run record", ("fingerprint", "config"))
 
 
 def read_marker(directory: str | os.PathLike[str]) -> dict[str, Any] | None:
@@ -263,7 +264,8 @@ def read_marker(directory: str | os.PathLike[str]) -> dict[str, Any] | None:
 
     Raises:
         RunDirError: the marker is damaged."""
-    return _read_json(Path(directory) / FINISHED, "finished marker")
+    fields = ("fingerprint", "epochs", "checkpoint", "checkpoint_sha256")
+    return _read_json(Path(directory) / FINISHED, "finished marker", fields)
 
 
 def is_finished(directory: str | os.PathLike[str], config: Config) -> bool:

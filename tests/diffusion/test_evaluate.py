@@ -271,9 +271,9 @@ def test_results_on_other_prompts_are_neither_combined_nor_written_over(runs, ca
     written = root / "sum" / "eval-step-000002.json"
     kept = written.read_bytes()
     other = _evaluate(capsys, root / "sum", "--prompts", "shapes:heldout:3", "--name", "sum-3")
+    assert written.read_bytes() == kept
     assert (other["num_prompts"], own["num_prompts"]) == (3, 5)
     assert other["prompts_sha256"] != own["prompts_sha256"]
-    assert written.read_bytes() == kept
     assert json.loads((root / "sum" / "eval-step-000002-shapes-heldout-3.json").read_text()) == other
     with pytest.raises(SystemExit):
         main(["--combine", str(written), str(root / "sum" / "eval-step-000002-shapes-heldout-3.json")])
