@@ -45,6 +45,7 @@ from safetensors.torch import load_file, save_file
 __all__ = [
     "MANIFEST",
     "CheckpointError",
+    "checkpoint_digest",
     "checkpoint_path",
     "latest_checkpoint",
     "list_checkpoints",
@@ -147,6 +148,12 @@ def _write_manifest(directory: Path) -> None:
 def checkpoint_path(directory: str | os.PathLike, step: int) -> Path:
     """Where :func:`save_checkpoint` puts step ``step``: ``directory/step-NNNNNN``."""
     return Path(directory) / f"step-{step:06d}"
+
+
+def checkpoint_digest(path: str | os.PathLike) -> str:
+    """The SHA-256 (hex) of checkpoint ``path``'s manifest, which lists the size and hash of every
+    other file: a name for the checkpoint's content (unverified; see :func:`verify_checkpoint`)."""
+    return _digest(Path(path) / MANIFEST)
 
 
 def _tidy(directory: Path) -> None:

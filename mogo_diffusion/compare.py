@@ -23,8 +23,11 @@ is evaluated on the same held-out prompts and noise
     ablations              marble_n10_neutral, marble_n10_noema, mgda_n10 (with --arms; ABLATIONS)
 
 Each run is a ``python -m mogo_diffusion.train --config`` subprocess (``--jobs`` at a time, one
-thread each) in ``OUT/runs/<arm>/seed<s>``; a finished run is not rerun, so an interrupted
-comparison continues where it stopped (an unfinished run starts over). ``OUT`` then holds
+thread each) in ``OUT/runs/<arm>/seed<s>`` (:func:`run_all`). A finished run of the same config
+is reused and an unfinished one resumed from its latest checkpoint (or restarted, without one), so
+an interrupted comparison continues where it stopped; a run of another config (other epochs,
+another ``--quick``) is refused, never deleted, and nothing is trained; a line says what is done
+with each run (:func:`decide`). ``OUT`` then holds
 ``results.json``, ``results.md`` (per-reward held-out means with their spread over seeds, the
 composite mean z-score, conflict statistics and wall-time ratios), the same tables as
 ``results.rst``, and the figures ``pareto.png``, ``rewards.png`` and ``alpha.png``.
@@ -36,21 +39,26 @@ import argparse
 import json
 import math
 import os
-import shutil
 import statistics
 import subprocess
 import sys
 import time
+import warnings
+from collections import Counter
 from collections.abc import Mapping, Sequence
 from concurrent.futures import ThreadPoolExecutor, as_completed
 from pathlib import Path
-from typing import Any
+from typing import Any, NamedTuple
 
 from tqdm.auto import tqdm
 
 import mogo
+from mogo_diffusion import run_dir
+from mogo_diffusion.checkpoint import CheckpointError, latest_checkpoint
 from mogo_diffusion.config import Config
-from mogo_diffusion.evaluate import composite_zscores, read_metrics, reward_zscores
+from mogo_diffusion.evaluate import composite_zscores, prompts_digest, read_metrics, reward_zscores
+from mogo_diffusion.prompts import load_prompt_set
+from mogo_diffusion.run_dir import RunDirError
 from mogo_diffusion.shapes.recipe import REWARDS, reward_specs, shapes_config
 from mogo_diffusion.tables import markdown_table, rst_table
 
@@ -61,15 +69,19 @@ __all__ = [
     "FINAL_EVAL",
     "QUICK",
     "WEIGHTING_ARMS",
+    "Decision",
     "arm_config",
     "arms",
+    "base_evaluation",
+    "decide",
     "done",
     "evaluate_base",
     "final_means",
-    "finished",
     "frozen_sections",
     "last_evaluation",
     "main",
+    "report",
+    "run_all",
     "summarize",
     "tables",
 ]
@@ -188,33 +200,177 @@ def _weighting_arm(arm: str) -> bool:
     return arm.endswith("_n10") and name in mogo.WEIGHTINGS and name != "weighted_sum"
 
 
-def finished(run: Path, epochs: int) -> bool:
-    """Whether ``run`` logged its last epoch: its ``metrics.jsonl`` is all the results need, so a
-    run copied as that file alone (the committed study) counts as finished."""
+_LEGACY = "no run record (run.json): read as it is, checked only on its epochs and final evaluation"
+
+
+class Decision(NamedTuple):
+    """What :func:`run_all` does with one run (:func:`decide`), and why, in words.
+
+    ``action``: ``"reuse"`` (finished, and finally evaluated when asked), ``"evaluate"`` (finished;
+    its final evaluation is missing or damaged), ``"resume"`` (unfinished: from its latest intact
+    checkpoint), ``"start"`` (the directory holds no run), ``"restart"`` (unfinished, with no
+    checkpoint to resume: nothing complete to lose), ``"legacy"`` (finished, but without a run
+    record, so its config cannot be checked: only ``study --no-train`` reads it) or ``"refuse"``
+    (another config's run, a run in use, or a damaged one: never deleted)."""
+
+    action: str
+    why: str
+
+
+def decide(config: Config, final: str | None = None) -> Decision:
+    """What to do with the run of ``config`` (in ``train.out_dir``), its final evaluation on the
+    prompts ``final`` wanted or not.
+
+    A run is reused only when its record holds ``config`` (but for ``train.out_dir``: the epochs,
+    evaluation prompts and steps that its results depend on included), it is finished
+    (:func:`~mogo_diffusion.run_dir.is_finished`) with metrics to its last epoch, and its final
+    evaluation is of its final checkpoint, on ``final``'s prompts, with ``config``'s steps.
+    """
+    run = Path(config.train.out_dir)
+    if (holder := run_dir.claimed_by(run)) is not None:
+        return Decision("refuse", f"in use by another process (pid {holder})")
     try:
-        records = read_metrics(run)
-    except FileNotFoundError:
-        return False
-    return bool(records) and records[-1]["epoch"] == epochs - 1
+        record = run_dir.read_record(run)
+        if record is None:
+            return _legacy(run, config, final) if run_dir.holds_run(run) else Decision("start", "new")
+        request = run_dir.portable(config.to_dict())
+        differences = run_dir.config_differences(record["config"], request)
+        if differences := [d for d in differences if d[0] != "train.out_dir"]:
+            return Decision("refuse", f"holds the run of another config ({_named(differences)}); it is kept: "
+                            "use another --out")  # fmt: skip
+        if not run_dir.is_finished(run, config):
+            return _unfinished(run)
+        _check_metrics(run, config.train.epochs)
+        return Decision("reuse", "finished") if final is None else _final_evaluation(run, config, final)
+    except (RunDirError, CheckpointError) as error:
+        return Decision("refuse", str(error))
 
 
-def _train(config: Config, run: Path) -> None:
-    """One run as a subprocess (one thread), its output in ``run/log.txt``; an unfinished run
-    starts over."""
-    shutil.rmtree(run, ignore_errors=True)
-    run.mkdir(parents=True)
+def _unfinished(run: Path) -> Decision:
+    """Resume an unfinished run from its latest intact checkpoint, or restart it without one."""
+    try:
+        checkpoint = latest_checkpoint(run / "checkpoints")
+    except CheckpointError as error:
+        return Decision("restart", f"unfinished; {error}")
+    if checkpoint is None:
+        return Decision("restart", "unfinished, no checkpoint to resume")
+    return Decision("resume", f"unfinished, from {checkpoint.name}")
+
+
+def _check_metrics(run: Path, epochs: int) -> None:
+    """Check that ``run``'s metrics records end at epoch ``epochs - 1``.
+
+    Raises:
+        FileNotFoundError: there are none.
+        RunDirError: they do not (the file was damaged after the run finished)."""
+    records = read_metrics(run)
+    last = records[-1]["epoch"] if records else None
+    if last != epochs - 1:
+        raise RunDirError(
+            f"{str(run / run_dir.METRICS)!r} ends at epoch {last}, not {epochs - 1}: it was damaged after "
+            "the run finished; move the run away to train it again"
+        )
+
+
+def _final_evaluation(run: Path, config: Config, final: str) -> Decision:
+    """Reuse a finished run whose final evaluation matches; evaluate one without (or with a
+    damaged one); refuse one evaluated on other prompts, steps or weights."""
+    marker = run_dir.read_marker(run)
+    path = run / FINAL_EVAL
+    expected = {
+        "checkpoint_sha256": marker["checkpoint_sha256"],
+        "prompts_sha256": prompts_digest(load_prompt_set(final)),
+        "eval_num_steps": config.sampling.eval_num_steps,
+    }
+    result = _read_result(path)
+    if result is not None:
+        differences = run_dir.config_differences({key: result.get(key) for key in expected}, expected)
+        if not differences:
+            return Decision("reuse", "finished and evaluated finally")
+        raise RunDirError(
+            f"{str(path)!r} is another evaluation ({_named(differences)}); it is kept: use another --out"
+        )
+    if not (run / "checkpoints" / marker["checkpoint"]).is_dir():
+        raise RunDirError(
+            f"{str(run)!r} is finished, but keeps neither its final checkpoint {marker['checkpoint']} nor "
+            f"its {FINAL_EVAL}: nothing to evaluate; move it away to train it again"
+        )
+    return Decision(
+        "evaluate", f"finished; its final evaluation is {'damaged' if path.is_file() else 'missing'}"
+    )
+
+
+def _read_result(path: Path) -> dict | None:
+    """The JSON object in ``path``; None, with a warning, when it is damaged or absent."""
+    if not path.is_file():
+        return None
+    try:
+        result = json.loads(path.read_text())
+    except (ValueError, UnicodeDecodeError) as error:
+        warnings.warn(f"{str(path)!r} is damaged ({error}): it is made again", stacklevel=3)
+        return None
+    return result if isinstance(result, dict) else None
+
+
+def _legacy(run: Path, config: Config, final: str | None) -> Decision:
+    """A run directory without a record (written before runs had one, or copied without it):
+    ``"legacy"`` when its metrics reach the last epoch and, with ``final``, its final evaluation
+    has ``final``'s number of prompts and ``config``'s steps (what such a run records); else refused."""
+    unchecked = "no run record (run.json), so its config cannot be checked"
+    try:
+        _check_metrics(run, config.train.epochs)
+    except (FileNotFoundError, RunDirError) as error:
+        return Decision("refuse", f"{unchecked}, and it is unfinished or damaged ({error}); move it away")
+    if final is not None:
+        result = _read_result(run / FINAL_EVAL) or {}
+        wanted = (len(load_prompt_set(final).prompts), config.sampling.eval_num_steps)
+        if (result.get("num_prompts"), result.get("eval_num_steps")) != wanted:
+            return Decision("refuse", f"{unchecked}, and it has no final evaluation of {final}; move it away")
+    return Decision("legacy", _LEGACY)
+
+
+def done(config: Config, final: str | None = None) -> bool:
+    """Whether ``config``'s run is reused as it is (:func:`decide`): finished and, with ``final``,
+    evaluated finally on those prompts."""
+    return decide(config, final).action == "reuse"
+
+
+def report(decisions: Mapping[tuple, Decision], configs: Mapping[tuple, Config]) -> None:
+    """Print a line for each run that is not simply reused or read as legacy, then the count of
+    each action (and what legacy means, if any is)."""
+    for key, decision in decisions.items():
+        if decision.action not in ("reuse", "legacy"):
+            tqdm.write(f"{decision.action} {configs[key].train.out_dir}: {decision.why}")
+    counts = Counter(decision.action for decision in decisions.values())
+    summary = ", ".join(f"{count} {action}" for action, count in counts.items())
+    tqdm.write(f"runs: {summary}" + (f" (legacy: {_LEGACY})" if "legacy" in counts else ""))
+
+
+def _named(differences: Sequence[tuple[str, Any, Any]]) -> str:
+    """Differing fields, each with the value found and the one requested."""
+    return "; ".join(f"{field}: {there!r} there, {now!r} requested" for field, there, now in differences)
+
+
+def _train(config: Config, action: str) -> None:
+    """Start, resume or restart ``config``'s run as a subprocess (one thread), its output in
+    ``run/log.txt``."""
+    run = Path(config.train.out_dir)
+    run.mkdir(parents=True, exist_ok=True)
     config.save(run / "compare_config.yaml")
     command = [sys.executable, "-m", "mogo_diffusion.train", "--config", str(run / "compare_config.yaml")]
+    command += {"start": [], "resume": ["--resume", "latest"], "restart": ["--overwrite"]}[action]
     _subprocess(command, run)
 
 
 def _evaluate_final(run: Path, prompts: str) -> None:
-    """``python -m mogo_diffusion.evaluate`` of ``run``'s last checkpoint on ``prompts`` (one
-    thread), written to ``run/FINAL_EVAL`` once complete."""
-    partial = run / f"{FINAL_EVAL}.partial"
-    _subprocess([sys.executable, "-m", "mogo_diffusion.evaluate", str(run), "--prompts", prompts,
-                 "--out", str(partial)], run)  # fmt: skip
-    partial.replace(run / FINAL_EVAL)
+    """``python -m mogo_diffusion.evaluate`` of ``run``'s final checkpoint (its finished marker's) on
+    ``prompts`` (one thread), written to ``run/FINAL_EVAL`` once complete, the run claimed meanwhile."""
+    with run_dir.claim(run):
+        checkpoint = run / "checkpoints" / run_dir.read_marker(run)["checkpoint"]
+        partial = run / f"{FINAL_EVAL}.partial"
+        _subprocess([sys.executable, "-m", "mogo_diffusion.evaluate", str(checkpoint), "--prompts", prompts,
+                     "--out", str(partial)], run)  # fmt: skip
+        partial.replace(run / FINAL_EVAL)
 
 
 def _subprocess(command: list[str], run: Path) -> None:
@@ -227,21 +383,13 @@ def _subprocess(command: list[str], run: Path) -> None:
         raise RuntimeError(f"run {str(run)!r} failed (exit {completed.returncode}):\n" + "\n".join(tail))
 
 
-def _complete(config: Config, final: str | None) -> None:
-    """Train ``config``'s run unless it finished, and with ``final`` evaluate it finally unless it
-    was; a finished run kept without its checkpoints and final evaluation is trained again."""
-    run = Path(config.train.out_dir)
-    evaluated = final is None or (run / FINAL_EVAL).is_file()
-    if not finished(run, config.train.epochs) or not (evaluated or (run / "checkpoints").is_dir()):
-        _train(config, run)
-    if not evaluated:
-        _evaluate_final(run, final)
-
-
-def done(config: Config, final: str | None = None) -> bool:
-    """Whether ``config``'s run :func:`finished` and, with ``final``, was evaluated finally."""
-    run = Path(config.train.out_dir)
-    return finished(run, config.train.epochs) and (final is None or (run / FINAL_EVAL).is_file())
+def _complete(config: Config, decision: Decision, final: str | None) -> None:
+    """Do what ``decision`` says to ``config``'s run: train it (unless finished), then with
+    ``final`` evaluate it finally."""
+    if decision.action in ("start", "resume", "restart"):
+        _train(config, decision.action)
+    if final is not None:
+        _evaluate_final(Path(config.train.out_dir), final)
 
 
 def last_evaluation(history: Sequence[Mapping[str, Any]], names: Sequence[str]) -> list[float]:
@@ -257,45 +405,114 @@ def final_means(run: Path) -> dict[str, float]:
     return {f"eval/{name}": math.nan if value is None else value for name, value in metrics.items()}
 
 
-def evaluate_base(config: Config, path: Path, *, prompts: str | None = None) -> dict[str, float]:
-    """The pretrained model's held-out means (its zero adapter is the base model) on ``config``'s
-    evaluation prompts or ``prompts``, ``{"eval/<reward>": mean, ...}``, cached at ``path``."""
-    if path.is_file():
-        return json.loads(path.read_text())
-    from mogo_diffusion.train import Trainer
+def base_evaluation(config: Config) -> dict[str, Any]:
+    """What the pretrained model's evaluation under ``config`` depends on, the key of its cache
+    (:func:`evaluate_base`): the model, the rewards that score it, the sampler (solver, resolution,
+    ``eval_num_steps``) and the evaluation prompts' content
+    (:func:`~mogo_diffusion.evaluate.prompts_digest`)."""
+    data = run_dir.portable(config.to_dict())
+    sampling = data["sampling"]
+    prompts = load_prompt_set(config.sampling.eval_prompts)
+    return {
+        "model": data["model"],
+        "rewards": data["rewards"],
+        **{key: sampling[key] for key in ("solver", "resolution", "eval_num_steps")},
+        "prompts_sha256": prompts_digest(prompts),
+        "num_prompts": len(prompts.prompts),
+    }
 
+
+def evaluate_base(
+    config: Config, path: Path, *, prompts: str | None = None, legacy: bool = False
+) -> dict[str, float]:
+    """The pretrained model's held-out means (its zero adapter is the base model) on ``config``'s
+    evaluation prompts or ``prompts``, ``{"eval/<reward>": mean, ...}``, cached at ``path`` with
+    what they depend on (:func:`base_evaluation`). A damaged cache is made again, with a warning.
+
+    Args:
+        legacy: read a cache written before caches recorded what they depend on as it is (a line
+            says so); else such a cache is refused.
+
+    Raises:
+        RunDirError: ``path`` holds the evaluation of another model, rewards, sampler or prompts
+            (or, without ``legacy``, an unkeyed one); it is kept.
+    """
     if prompts is not None:
         data = config.to_dict()
         data["sampling"]["eval_prompts"] = prompts
         config = Config.from_dict(data)
+    key = base_evaluation(config)
+    cached = _read_result(path)
+    if cached is not None and set(cached) == {"evaluation", "means"}:
+        if differences := run_dir.config_differences(cached["evaluation"], key):
+            raise RunDirError(
+                f"{str(path)!r} evaluates another request ({_named(differences)}); it is kept: "
+                "use another --out"
+            )
+        return cached["means"]
+    if cached is not None:
+        if not legacy:
+            raise RunDirError(
+                f"{str(path)!r} was written before cached evaluations recorded what they were made on: "
+                "`python -m mogo_diffusion.study --no-train` reads it as it is; delete it to evaluate again"
+            )
+        tqdm.write(f"legacy {path}: read as it is (it does not record what it was made on)")
+        return cached
+    return _evaluate_pretrained(config, path, key)
+
+
+def _evaluate_pretrained(config: Config, path: Path, key: dict[str, Any]) -> dict[str, float]:
+    """Evaluate the pretrained model under ``config`` and cache its means at ``path`` under ``key``."""
+    from mogo_diffusion.train import Trainer
+
     trainer = Trainer(config)
     started = time.perf_counter()
     means = trainer.evaluate()
     means["seconds"] = time.perf_counter() - started
     path.parent.mkdir(parents=True, exist_ok=True)
-    partial = path.with_name(f"{path.name}.partial")
-    partial.write_text(json.dumps(means, indent=2) + "\n")
-    partial.replace(path)
+    run_dir.write_json(path, {"evaluation": key, "means": means})
     return means
+
+
+def _to_train(decision: Decision) -> Decision:
+    """``decision`` for a tool that trains: a legacy run, whose config cannot be checked, is refused."""
+    if decision.action != "legacy":
+        return decision
+    why = (
+        "no run record (run.json), so its config cannot be checked: `python -m mogo_diffusion.study "
+        "--no-train` reads such runs; to train, use another --out"
+    )
+    return Decision("refuse", why)
 
 
 def run_all(
     configs: Mapping[tuple, Config], base: Path, *, jobs: int, final: str | None = None
 ) -> dict[str, float]:
-    """Train every run of ``configs`` (key to config) not finished yet, ``jobs`` at a time, each a
-    ``python -m mogo_diffusion.train`` subprocess with one thread; returns the pretrained model's
-    held-out means, evaluated once and cached at ``base``. Finished runs are not rerun, so an
-    interrupted comparison continues where it stopped (an unfinished run starts over).
+    """Bring every run of ``configs`` (key to config) to an end, ``jobs`` at a time, each a
+    ``python -m mogo_diffusion.train`` subprocess with one thread, as :func:`decide` says: reuse a
+    finished run, resume or restart an unfinished one of the same config, start a new one; returns
+    the pretrained model's held-out means, evaluated once and cached at ``base``
+    (:func:`evaluate_base`). A line says what is done with each run (:func:`report`).
 
     With ``final`` (a prompt source), each run's last weights are then evaluated on it once
-    (:data:`FINAL_EVAL` in the run, read by :func:`final_means`)."""
+    (:data:`FINAL_EVAL` in the run, read by :func:`final_means`).
+
+    Raises:
+        RunDirError: a run is refused (another config's, a legacy or damaged one, one in use), or
+            the base cache is another request's; nothing is trained, and nothing deleted.
+    """
+    decisions = {key: _to_train(decide(c, final)) for key, c in configs.items()}
+    report(decisions, configs)
+    refused = [f"{configs[k].train.out_dir}: {d.why}" for k, d in decisions.items() if d.action == "refuse"]
+    if refused:
+        raise RunDirError(f"{len(refused)} run(s) refused, nothing trained:\n" + "\n".join(refused))
     means = evaluate_base(next(iter(configs.values())), base)
-    todo = {key: c for key, c in configs.items() if not done(c, final)}
+    todo = {key: c for key, c in configs.items() if decisions[key].action != "reuse"}
     with (
         ThreadPoolExecutor(max_workers=jobs) as pool,
         tqdm(total=len(configs), initial=len(configs) - len(todo), desc="runs") as bar,
     ):
-        futures = {pool.submit(_complete, c, final): key for key, c in todo.items()}
+        futures = {pool.submit(_complete, c, decisions[key], final): key for key, c in todo.items()}
         for future in as_completed(futures):
             future.result()
             bar.update()
@@ -505,7 +722,10 @@ def main(argv: list[str] | None = None) -> dict:
     except FileNotFoundError as error:
         parser.error(str(error))
     started = time.perf_counter()
-    base = run_all(configs, out / "runs" / "base" / "eval.json", jobs=args.jobs)
+    try:
+        base = run_all(configs, out / "runs" / "base" / "eval.json", jobs=args.jobs)
+    except RunDirError as error:
+        parser.error(str(error))
     records = {
         arm: {seed: read_metrics(configs[arm, seed].train.out_dir) for seed in seeds} for arm in chosen
     }

@@ -13,15 +13,17 @@
   :meth:`Trainer.evaluate <mogo_diffusion.train.Trainer.evaluate>`: the numbers are the run's own
   held-out ``eval/{name}`` for the same weights, prompts and noise.
   :func:`results_table` and ``--combine a.json b.json ...``: the per-metric table of several runs
-  (markdown) with each run's composite z-score.
+  (markdown) with each run's composite z-score, of results evaluated on the same prompts and steps.
 """
 
 from __future__ import annotations
 
 import argparse
+import hashlib
 import json
 import math
 import os
+import re
 import sys
 from collections.abc import Iterator, Mapping, Sequence
 from contextlib import contextmanager
@@ -32,7 +34,9 @@ import numpy as np
 from PIL import Image
 from torch import Tensor
 
+from mogo_diffusion.prompts import PromptSet
 from mogo_diffusion.rewards import to_uint8
+from mogo_diffusion.run_dir import read_metrics
 
 if TYPE_CHECKING:
     from mogo_diffusion.train import Trainer
@@ -40,9 +44,11 @@ if TYPE_CHECKING:
 __all__ = [
     "composite_zscores",
     "evaluate_run",
+    "evaluated_on",
     "main",
     "parse_metric",
     "plot_run",
+    "prompts_digest",
     "read_metrics",
     "results_table",
     "reward_zscores",
@@ -98,14 +104,6 @@ def composite_zscores(
     z, informative = _standardized(means, reference)
     composite = z[:, informative].mean(axis=1) if informative.any() else np.zeros(len(z))
     return {name: float(value) for name, value in zip(means, composite, strict=True)}
-
-
-def read_metrics(run_dir: str | os.PathLike[str]) -> list[dict]:
-    """The records of ``run_dir/metrics.jsonl``, one per logged epoch."""
-    path = Path(run_dir) / "metrics.jsonl"
-    if not path.is_file():
-        raise FileNotFoundError(f"no metrics file at {str(path)!r}")
-    return [json.loads(line) for line in path.read_text().splitlines() if line.strip()]
 
 
 def plot_run(run_dir: str | os.PathLike[str], out: str | os.PathLike[str] | None = None) -> Path:
@@ -219,6 +217,20 @@ def parse_metric(text: str) -> tuple[str, dict[str, Any]]:
     return name, options
 
 
+def prompts_digest(prompts: PromptSet) -> str:
+    """The SHA-256 (hex) of a prompt set's prompts and metadata: what an evaluation was made on,
+    whatever file or source name it came from.
+
+    >>> a = PromptSet(["a red circle"], [{}])
+    >>> prompts_digest(a) == prompts_digest(PromptSet(["a red circle"], [{}]))
+    True
+    >>> prompts_digest(a) == prompts_digest(PromptSet(["a red circle"], [{"tag": "colour"}]))
+    False
+    """
+    text = json.dumps([prompts.prompts, prompts.metadata], sort_keys=True, separators=(",", ":"))
+    return hashlib.sha256(text.encode()).hexdigest()
+
+
 def _run_config(source: Path, base: bool) -> tuple[dict[str, Any], Path | None]:
     """The config (as ``Config.to_dict()``) and the checkpoint of a command's ``source``: a
     checkpoint directory, a run directory (its ``config.yaml``, its latest intact checkpoint) or,
@@ -313,9 +325,10 @@ def evaluate_run(
 
     Returns:
         ``{"name", "source", "run_dir", "evaluated" (the checkpoint's name, or "base"),
-        "checkpoint", "epoch", "base", "prompts", "num_prompts", "eval_num_steps",
-        "metrics": {reward: mean}, "diagnostics": {...}}``; a mean is None where the reward
-        applies to no prompt.
+        "checkpoint", "checkpoint_sha256" (its :func:`~mogo_diffusion.checkpoint.checkpoint_digest`;
+        None for the base), "epoch", "base", "prompts", "prompts_sha256" (:func:`prompts_digest`),
+        "num_prompts", "eval_num_steps", "metrics": {reward: mean}, "diagnostics": {...}}``; a mean
+        is None where the reward applies to no prompt.
 
     Raises:
         FileNotFoundError: ``source`` is missing, or a run directory without checkpoints.
@@ -323,6 +336,7 @@ def evaluate_run(
         ConfigError: the config has no evaluation prompts and ``prompts`` is None, or is invalid.
         ValueError: an unknown metric, one the run scores already, or options its reward does not take.
     """
+    from mogo_diffusion.checkpoint import checkpoint_digest
     from mogo_diffusion.config import Config, ConfigError
     from mogo_diffusion.rewards import MultiReward, make_reward
     from mogo_diffusion.train import Trainer
@@ -377,16 +391,19 @@ def evaluate_run(
         label = run_dir.name
     else:
         run_dir, label = source, source.name
-    evaluated = "base" if base or checkpoint is None else checkpoint.name
+    weights = None if base else checkpoint
+    evaluated = "base" if weights is None else weights.name
     return {
         "name": name or f"{label}/{evaluated}",
         "source": str(source),
         "run_dir": str(run_dir),
         "evaluated": evaluated,
-        "checkpoint": None if base or checkpoint is None else str(checkpoint),
+        "checkpoint": None if weights is None else str(weights),
+        "checkpoint_sha256": None if weights is None else checkpoint_digest(weights),
         "epoch": None if base else trainer.epoch,
         "base": base,
         "prompts": data["sampling"]["eval_prompts"],
+        "prompts_sha256": prompts_digest(eval_prompts),
         "num_prompts": len(eval_prompts.prompts),
         "eval_num_steps": trainer.config.sampling.eval_num_steps,
         "metrics": scores,
@@ -406,7 +423,9 @@ def results_table(results: Sequence[Mapping[str, Any]]) -> tuple[str, dict[str, 
         "zscores": {run: {metric: z}}, "composite": {run: c}}``.
 
     Raises:
-        ValueError: fewer than two runs, two runs of the same name, or no metric that every run has.
+        ValueError: fewer than two runs, two runs of the same name, runs evaluated on different
+            prompts or with different sampler steps (:func:`evaluated_on`; the message names both),
+            or no metric that every run has.
 
     >>> table, summary = results_table([
     ...     {"name": "a", "metrics": {"sharpness": 0.2, "ocr": None}},
@@ -426,6 +445,13 @@ def results_table(results: Sequence[Mapping[str, Any]]) -> tuple[str, dict[str, 
     if len(set(names)) != len(names):
         twice = sorted({n for n in names if names.count(n) > 1})
         raise ValueError(f"runs must have distinct names, got {twice} more than once (set one with --name)")
+    first = results[0]
+    for result in results[1:]:
+        if evaluated_on(result) != evaluated_on(first):
+            raise ValueError(
+                f"{first['name']!r} was evaluated on {_describe(first)}, {result['name']!r} on "
+                f"{_describe(result)}: a table compares results of the same prompts and steps"
+            )
     table = {name: dict(result["metrics"]) for name, result in zip(names, results, strict=True)}
     columns = list(dict.fromkeys(metric for row in table.values() for metric in row))
     common = [m for m in columns if all(row.get(m) is not None for row in table.values())]
@@ -449,9 +475,40 @@ def results_table(results: Sequence[Mapping[str, Any]]) -> tuple[str, dict[str, 
     return "\n".join(lines), summary
 
 
-def _default_out(result: Mapping[str, Any]) -> Path:
-    """Where a result goes without ``--out``: ``eval-<what>.json`` in its run directory."""
-    return Path(result["run_dir"]) / f"eval-{result['evaluated']}.json"
+def evaluated_on(result: Mapping[str, Any]) -> tuple[Any, Any, Any]:
+    """What an :func:`evaluate_run` result was made on, equal for results that compare: the
+    prompts (their digest; the source's name in a result written before digests were recorded),
+    their number and the sampler's steps (None for what a result does not say)."""
+    prompts = result.get("prompts_sha256") or result.get("prompts")
+    return prompts, result.get("num_prompts"), result.get("eval_num_steps")
+
+
+def _describe(result: Mapping[str, Any]) -> str:
+    """The prompts and steps of a result, in words."""
+    return (f"{result.get('prompts')} ({result.get('num_prompts')} prompts, digest "
+            f"{str(result.get('prompts_sha256'))[:12]}) in {result.get('eval_num_steps')} steps")  # fmt: skip
+
+
+def _default_out(result: Mapping[str, Any], prompts: str | None) -> Path:
+    """Where a result goes without ``--out``: ``eval-<what>.json`` in its run directory, the
+    ``--prompts`` source's name appended when given (``eval-step-000040-heldout.json``)."""
+    tag = "" if prompts is None else "-" + re.sub(r"[^\w.-]+", "-", Path(prompts).stem).strip("-")
+    return Path(result["run_dir"]) / f"eval-{result['evaluated']}{tag}.json"
+
+
+def _check_replaceable(out: Path, result: Mapping[str, Any]) -> None:
+    """Raise unless ``out`` is absent or holds an evaluation of the same prompts and steps."""
+    if not out.is_file():
+        return
+    try:
+        existing = json.loads(out.read_text())
+    except ValueError:
+        return  # a damaged result holds nothing to keep
+    if isinstance(existing, dict) and evaluated_on(existing) != evaluated_on(result):
+        raise FileExistsError(
+            f"{str(out)!r} holds an evaluation on {_describe(existing)}, not {_describe(result)}: "
+            "pass --out to keep both"
+        )
 
 
 def main(argv: Sequence[str] | None = None) -> None:
@@ -485,8 +542,8 @@ def main(argv: Sequence[str] | None = None) -> None:
     )  # fmt: skip
     parser.add_argument(
         "--out", type=Path, default=None, help="where to write: the result JSON (default: "
-        "eval-<checkpoint>.json in the run directory); with --combine the markdown table (the summary "
-        "JSON beside it; default: print only)",
+        "eval-<checkpoint>[-<prompts>].json in the run directory, never replacing an evaluation on other "
+        "prompts); with --combine the markdown table (the summary JSON beside it; default: print only)",
     )  # fmt: skip
     args = parser.parse_args(argv)
     if (args.source is None) == (args.combine is None):
@@ -511,7 +568,13 @@ def main(argv: Sequence[str] | None = None) -> None:
         )
     except (OSError, CheckpointError, ConfigError, ValueError) as error:
         parser.error(str(error))
-    out = args.out or _default_out(result)
+    out = args.out
+    if out is None:
+        out = _default_out(result, args.prompts)
+        try:
+            _check_replaceable(out, result)
+        except FileExistsError as error:
+            parser.error(str(error))
     out.parent.mkdir(parents=True, exist_ok=True)
     out.write_text(json.dumps(result, indent=1) + "\n")
     print(json.dumps(result["metrics"]), file=sys.stdout)

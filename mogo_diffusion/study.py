@@ -12,8 +12,11 @@ sets, frozen before any run:
 The specialists (``single:<reward>``) are trained once, with every reward evaluated, and belong to
 both sets; the multi-reward arms (:data:`ARMS`) and the ablations (:data:`~mogo_diffusion.compare.ABLATIONS`,
 on ``prompt_following``) are trained for each set. Runs live in ``OUT/runs/<set or
-specialists>/<arm>/seed<s>``; a finished run is never rerun, so the study can be stopped and
-continued.
+specialists>/<arm>/seed<s>``; a finished run of the same config is never rerun and an unfinished
+one is resumed, so the study can be stopped and continued (:func:`compare.run_all
+<mogo_diffusion.compare.run_all>`, which refuses the runs of another config, never deleting them).
+``--no-train`` reads the runs of the seeds that have finished, runs made before run records
+(``run.json``) included, as they are.
 
 A run is judged by its final evaluation: its last weights on
 :data:`~mogo_diffusion.shapes.recipe.FINAL_EVAL` (each training caption 32 times from its own
@@ -62,6 +65,7 @@ from mogo_diffusion import compare
 from mogo_diffusion.bootstrap import Interval, bootstrap_interval, paired_interval
 from mogo_diffusion.config import Config
 from mogo_diffusion.evaluate import composite_zscores, read_metrics
+from mogo_diffusion.run_dir import RunDirError
 from mogo_diffusion.shapes.recipe import FINAL_EVAL, REWARDS
 from mogo_diffusion.tables import markdown_table, rst_table
 
@@ -463,6 +467,27 @@ def _curve(history: Sequence[Mapping[str, Any]], key: str, start: float) -> list
     return points if len(points) > 1 else []
 
 
+def _unfinished_seeds(runs: Mapping[tuple[str, str, int], Config], final: str) -> set[int]:
+    """The seeds of ``runs`` with a run that has not finished with its final evaluation (one
+    written before run records counts as finished, read as it is: :func:`compare.decide`).
+
+    Raises:
+        RunDirError: a run is refused (another config's, in use, or damaged)."""
+    decisions = {key: _read_only(compare.decide(config, final)) for key, config in runs.items()}
+    compare.report(decisions, runs)
+    refused = [f"{runs[key].train.out_dir}: {d.why}" for key, d in decisions.items() if d.action == "refuse"]
+    if refused:
+        raise RunDirError(f"{len(refused)} run(s) refused:\n" + "\n".join(refused))
+    return {seed for (_, _, seed), d in decisions.items() if d.action == "skip"}
+
+
+def _read_only(decision: compare.Decision) -> compare.Decision:
+    """``decision`` for ``--no-train``: a run that would be trained or evaluated is skipped."""
+    if decision.action in ("reuse", "legacy", "refuse"):
+        return decision
+    return compare.Decision("skip", f"{decision.why}: its seed is left out")
+
+
 def _parser() -> argparse.ArgumentParser:
     parser = argparse.ArgumentParser(
         prog="python -m mogo_diffusion.study",
@@ -511,19 +536,26 @@ def main(argv: list[str] | None = None) -> dict:
         parser.error(str(error))
     seeds = list(range(args.seeds))
     final = QUICK_FINAL if args.quick else str(FINAL_EVAL)
-    if args.no_train:
-        unfinished = {s for (_, _, s), c in runs.items() if not compare.done(c, final)}
-        seeds = [s for s in seeds if s not in unfinished]
-        if len(seeds) < 2:
-            parser.error(
-                f"--no-train needs two seeds whose runs have all finished in {args.out}; finished: {seeds}"
-            )
-        runs = {key: c for key, c in runs.items() if key[2] in seeds}
     started = time.perf_counter()
-    base = compare.run_all(runs, args.out / "runs" / "base" / "eval.json", jobs=args.jobs, final=final)
-    base_final = compare.evaluate_base(
-        next(iter(runs.values())), args.out / "runs" / "base" / "final_eval.json", prompts=final
-    )
+    try:
+        if args.no_train:
+            unfinished = _unfinished_seeds(runs, final)
+            seeds = [s for s in seeds if s not in unfinished]
+            if len(seeds) < 2:
+                parser.error(f"--no-train needs two seeds whose runs have all finished in {args.out}; "
+                             f"finished: {seeds}")  # fmt: skip
+            runs = {key: c for key, c in runs.items() if key[2] in seeds}
+            base = compare.evaluate_base(next(iter(runs.values())), args.out / "runs" / "base" / "eval.json",
+                                         legacy=True)  # fmt: skip
+        else:
+            base = compare.run_all(runs, args.out / "runs" / "base" / "eval.json", jobs=args.jobs,
+                                   final=final)  # fmt: skip
+        base_final = compare.evaluate_base(
+            next(iter(runs.values())), args.out / "runs" / "base" / "final_eval.json", prompts=final,
+            legacy=args.no_train,
+        )  # fmt: skip
+    except RunDirError as error:
+        parser.error(str(error))
     results: dict[str, Any] = {"sets": {}}
     curves: dict[str, Any] = {}
     for name in sets:

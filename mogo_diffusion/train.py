@@ -17,9 +17,11 @@ Every ``train.eval_every`` epochs (and after the last) the evaluation EMA sample
 ``sampling.eval_prompts`` with fixed noise, the same in every run, and the rewards' means are
 logged as ``eval/{name}``. The run directory gets ``config.yaml``, ``metrics.jsonl``,
 ``checkpoints/``, and at the end ``samples.png`` (the pretrained and the trained model's images of
-:data:`SAMPLES_SHOWN` distinct evaluation prompts, side by side, same noise) and ``curves.png``. An
-evaluation also logs the rewards' batch diagnostics as ``diagnostic/{name}`` (the shapes world's
-``distinct_scenes``: how many different scenes the detector reads, a guard against collapse).
+:data:`SAMPLES_SHOWN` distinct evaluation prompts, side by side, same noise) and ``curves.png``;
+it is claimed by one process at a time, holds one run, and is marked finished last
+(:mod:`mogo_diffusion.run_dir`). An evaluation also logs the rewards' batch diagnostics as
+``diagnostic/{name}`` (the shapes world's ``distinct_scenes``: how many different scenes the
+detector reads, a guard against collapse).
 """
 
 from __future__ import annotations
@@ -30,8 +32,8 @@ import difflib
 import inspect
 import json
 import time
-from collections.abc import Callable, Sequence
-from contextlib import AbstractContextManager, nullcontext
+from collections.abc import Callable, Iterator, Sequence
+from contextlib import AbstractContextManager, ExitStack, contextmanager, nullcontext
 from dataclasses import dataclass, replace
 from pathlib import Path
 from typing import Any, NamedTuple
@@ -39,11 +41,11 @@ from typing import Any, NamedTuple
 import torch
 from accelerate import Accelerator
 from accelerate.tracking import get_available_trackers
-from accelerate.utils import LoggerType
+from accelerate.utils import LoggerType, broadcast_object_list
 from tqdm.auto import tqdm
 
 from mogo._extras import MissingExtraError, require
-from mogo_diffusion import models
+from mogo_diffusion import models, run_dir
 from mogo_diffusion.advantages import nan_mean
 from mogo_diffusion.checkpoint import (
     CheckpointError,
@@ -57,6 +59,7 @@ from mogo_diffusion.evaluate import plot_run, save_comparison
 from mogo_diffusion.nft import kl_loss, nft_terms
 from mogo_diffusion.prompts import PromptSet, load_prompt_pool, load_prompt_set
 from mogo_diffusion.rewards import MultiReward, make_reward, reward_factory
+from mogo_diffusion.run_dir import RunDirError
 from mogo_diffusion.sampling import Samples, decode, sample
 from mogo_diffusion.strategies import Strategy, make_strategy
 from mogo_diffusion.streams import stream_seed
@@ -281,7 +284,7 @@ class Trainer:
         self.strategy = strategy or make_strategy(config, self.world)
         self.optimizer = self.strategy.build(self.params)
         self.epoch = 0
-        self.metrics_path = self.out / "metrics.jsonl"
+        self._continuing = False  # resumed, or trained here already: train() continues a run
 
     # ---- the steps of an epoch -----------------------------------------------------------------
 
@@ -537,22 +540,21 @@ class Trainer:
         self.accelerator.wait_for_everyone()
         return path
 
-    _ABSENT = "(absent)"
-    resume_may_change: frozenset[str] = frozenset(
-        {"train.epochs", "train.eval_every", "train.checkpoint_every", "train.log_every", "train.log_with",
-         "train.out_dir", "train.reward_threads", "sampling.eval_prompts", "sampling.eval_num_steps"}
-    )  # fmt: skip
+    resume_may_change: frozenset[str] = run_dir.RESUME_MAY_CHANGE
     """The config fields a resumed run may set apart from its checkpoint's (what is logged, evaluated
-    and saved, and how long it runs). A resume refuses every other difference: the saved state
-    (optimizer, amortizer, adapters) carries the checkpoint's values of some (``train.lr``,
-    ``strategy.harmonize_every``), and changing the others would continue a different run."""
+    and saved, and how long it runs; :data:`mogo_diffusion.run_dir.RESUME_MAY_CHANGE`). A resume
+    refuses every other difference: the saved state (optimizer, amortizer, adapters) carries the
+    checkpoint's values of some (``train.lr``, ``strategy.harmonize_every``), and changing the
+    others would continue a different run."""
 
     def resume(self, path: str | Path) -> None:
         """Continue from a checkpoint directory, or ``"latest"`` in this run's directory.
 
         Everything is checked before anything of the running state changes: the files against
-        their hashes, the state's structure and shapes, and this run's config against the
-        checkpoint's (equal but for :attr:`resume_may_change`).
+        their hashes, every field of the state (its structure, the tensors' shapes and dtypes, an
+        epoch within ``train.epochs``, the gradient scaler's fields), and this run's config against
+        the checkpoint's (equal but for :attr:`resume_may_change`). The optimizer's state is
+        tried last, and the optimizer restored when it does not fit.
 
         Raises:
             FileNotFoundError: ``"latest"``, and the run has no checkpoint.
@@ -587,6 +589,7 @@ class Trainer:
         self.scaler.load_state_dict(state["scaler"])
         self.eval_ema = [t.to(p.device) for t, p in zip(state["eval_ema"], self.params, strict=True)]
         self.epoch = state["epoch"]
+        self._continuing = True
 
     def _check_resumable(self, state: Any, path: Path) -> None:
         """Raise unless ``state`` (loaded from checkpoint ``path``) fits this run (see :meth:`resume`)."""
@@ -601,38 +604,21 @@ class Trainer:
         epoch = state["epoch"]
         if type(epoch) is not int or epoch < 0:
             raise CheckpointError(f"{where}: field 'epoch' must be a non-negative integer, got {epoch!r}")
+        if epoch > self.config.train.epochs:
+            raise CheckpointError(
+                f"{where}: field 'epoch' is {epoch}, beyond this run's train.epochs="
+                f"{self.config.train.epochs}: set train.epochs to {epoch} or more to continue it"
+            )
         old = models.lora_parameters(self.transformer, models.OLD)
         for name, current in (("trained", self.params), ("old", old), ("eval_ema", self.params)):
-            saved = state[name]
-            if not isinstance(saved, list) or not all(
-                isinstance(t, torch.Tensor) and t.is_floating_point() for t in saved
-            ):
-                raise CheckpointError(f"{where}: field {name!r} must be a list of floating tensors")
-            if len(saved) != len(current):
-                raise CheckpointError(
-                    f"{where}: field {name!r} has {len(saved)} tensors where this model's adapter has "
-                    f"{len(current)}"
-                )
-            for i, (t, p) in enumerate(zip(saved, current, strict=True)):
-                if t.shape != p.shape:
-                    raise CheckpointError(
-                        f"{where}: field {name!r}: tensor {i} has shape {tuple(t.shape)} where this "
-                        f"model's adapter has {tuple(p.shape)}"
-                    )
+            self._check_tensors(state[name], current, f"{where}: field {name!r}")
         for name in ("optimizer", "scaler", "config"):
             if not isinstance(state[name], dict):
                 raise CheckpointError(
                     f"{where}: field {name!r} must be an object, got {type(state[name]).__name__}"
                 )
-        if self.scaler.is_enabled() and "scale" not in state["scaler"]:
-            raise CheckpointError(
-                f"{where}: field 'scaler' lacks the scale of this run's fp16 gradient scaler"
-            )
-        changed = [
-            (field, saved, now)
-            for field, saved, now in self._config_differences(state["config"], self.config.to_dict())
-            if not any(field == f or field.startswith(f + ".") for f in self.resume_may_change)
-        ]
+        self._check_scaler(state["scaler"], where)
+        changed = run_dir.defining_differences(state["config"], self.config.to_dict())
         if changed:
             raise ConfigError(
                 f"{', '.join(f for f, _, _ in changed)}: a resume continues the run of checkpoint "
@@ -642,44 +628,98 @@ class Trainer:
             )
 
     @staticmethod
-    def _config_differences(saved: Any, current: Any, field: str = "") -> list[tuple[str, Any, Any]]:
-        """``(dotted field, saved value, current value)`` wherever two ``Config.to_dict()`` trees differ
-        (a list of another length differs as a whole); a checkpoint's config against the running one."""
-        if isinstance(saved, dict) and isinstance(current, dict):
-            keys = [*saved, *(key for key in current if key not in saved)]
-            return [
-                difference
-                for key in keys
-                for difference in Trainer._config_differences(
-                    saved.get(key, Trainer._ABSENT),
-                    current.get(key, Trainer._ABSENT),
-                    f"{field}.{key}" if field else str(key),
-                )
-            ]
-        if (
-            isinstance(saved, list | tuple)
-            and isinstance(current, list | tuple)
-            and len(saved) == len(current)
+    def _check_tensors(saved: Any, current: Sequence[torch.Tensor], where: str) -> None:
+        """Raise unless ``saved`` is a list of tensors of ``current``'s shapes and dtypes."""
+        if not isinstance(saved, list) or not all(
+            isinstance(t, torch.Tensor) and t.is_floating_point() for t in saved
         ):
-            return [
-                d
-                for i, (a, b) in enumerate(zip(saved, current, strict=True))
-                for d in Trainer._config_differences(a, b, f"{field}.{i}")
-            ]
-        return [] if saved == current else [(field, saved, current)]
+            raise CheckpointError(f"{where} must be a list of floating tensors")
+        if len(saved) != len(current):
+            raise CheckpointError(
+                f"{where} has {len(saved)} tensors where this model's adapter has {len(current)}"
+            )
+        for i, (t, p) in enumerate(zip(saved, current, strict=True)):
+            if t.shape != p.shape or t.dtype != p.dtype:
+                raise CheckpointError(
+                    f"{where}: tensor {i} has shape {tuple(t.shape)} and dtype {t.dtype} where this "
+                    f"model's adapter has {tuple(p.shape)} and {p.dtype}"
+                )
+
+    def _check_scaler(self, saved: dict[str, Any], where: str) -> None:
+        """Raise unless ``saved`` is a state of this run's gradient scaler (any state when it is
+        disabled: it loads nothing)."""
+        if not self.scaler.is_enabled():
+            return
+        fields = self.scaler.state_dict()
+        if missing := [name for name in fields if name not in saved]:
+            raise CheckpointError(
+                f"{where}: field 'scaler' lacks {', '.join(missing)} of this run's fp16 gradient scaler"
+            )
+        if bad := [name for name in fields if type(saved[name]) not in (int, float)]:
+            raise CheckpointError(f"{where}: field 'scaler': {', '.join(bad)} must be numbers")
 
     # ---- the run -------------------------------------------------------------------------------
 
-    def train(self, epochs: int | None = None) -> list[dict[str, Any]]:
-        """Train until ``epochs`` (default ``train.epochs``) epochs are done; returns their metrics."""
+    def train(self, epochs: int | None = None, *, overwrite: bool = False) -> list[dict[str, Any]]:
+        """Train until ``epochs`` (default ``train.epochs``) epochs are done; returns their metrics.
+
+        The run directory (``train.out_dir``; :mod:`mogo_diffusion.run_dir`) is claimed for the
+        whole call, and must hold no run unless this trainer continues the one it holds (resumed
+        from its checkpoint, or trained before), or ``overwrite`` deletes that run first. Its
+        finished marker is written last, after the final checkpoint and the figures.
+
+        Raises:
+            RunDirError: another process holds the directory, or it holds another run; nothing
+                is written.
+            ValueError: ``overwrite`` of a run this trainer continues, or ``epochs`` before its epoch.
+        """
+        end = self.config.train.epochs if epochs is None else epochs
+        if end < self.epoch:
+            raise ValueError(f"train(epochs={end}): this run is at epoch {self.epoch} already")
+        if overwrite and self._continuing:
+            raise ValueError(f"overwrite starts a run afresh; this one continues at epoch {self.epoch}")
+        with self._claimed(overwrite):
+            if self.accelerator.log_with:
+                self.accelerator.init_trackers("mogo_diffusion", config=_hyperparameters(self.config))
+            history = self._train_until(end)
+            if not history:  # resumed at the end: its final checkpoint belongs in this directory
+                self.save()
+            for tracker in self.accelerator.trackers:  # end_training would also end the process group
+                tracker.finish()
+            if self.accelerator.is_main_process:
+                self._figures(history)
+                final = checkpoint_path(self.out / "checkpoints", end)
+                run_dir.mark_finished(self.out, self.config, end, final)
+            self.accelerator.wait_for_everyone()
+        return history
+
+    @contextmanager
+    def _claimed(self, overwrite: bool) -> Iterator[None]:
+        """Hold the run directory's claim on the main process, make the directory this run's
+        (:func:`~mogo_diffusion.run_dir.start`) and write ``config.yaml``; a refusal is raised on
+        every process."""
+        with ExitStack() as claimed:
+            refusal = None
+            if self.accelerator.is_main_process:
+                try:
+                    claimed.enter_context(run_dir.claim(self.out))
+                    resumed_at = self.epoch if self._continuing else None
+                    run_dir.start(self.out, self.config, resumed_at=resumed_at, overwrite=overwrite)
+                except RunDirError as error:
+                    refusal = str(error)
+                else:
+                    self.config.save(self.out / "config.yaml")
+            if self.world > 1:
+                refusal = broadcast_object_list([refusal])[0]
+            if refusal is not None:
+                raise RunDirError(refusal)
+            self._continuing = True
+            yield
+
+    def _train_until(self, end: int) -> list[dict[str, Any]]:
+        """Train, log, evaluate and save epochs ``self.epoch .. end - 1``; returns their metrics."""
         train = self.config.train
-        end = train.epochs if epochs is None else epochs
         main = self.accelerator.is_main_process
-        if main:
-            self.out.mkdir(parents=True, exist_ok=True)
-            self.config.save(self.out / "config.yaml")
-        if self.accelerator.log_with:
-            self.accelerator.init_trackers("mogo_diffusion", config=_hyperparameters(self.config))
         history = []
         progress = tqdm(
             range(self.epoch, end),
@@ -698,23 +738,23 @@ class Trainer:
                 {k.split("/")[-1]: f"{v:.3g}" for k, v in metrics.items() if k.startswith("reward/")}
             )
             if main and (epoch % train.log_every == 0 or self.epoch == end):
-                with self.metrics_path.open("a") as file:
-                    file.write(json.dumps(metrics) + "\n")
+                run_dir.append_metrics(self.out, metrics)
                 self.accelerator.log({k: v for k, v in metrics.items() if k != "epoch"}, step=epoch)
             if self.epoch % train.checkpoint_every == 0 or self.epoch == end:
                 self.save()
-        for tracker in self.accelerator.trackers:  # end_training would also end the process group
-            tracker.finish()
-        if main and history:
-            if self.eval_images is not None:
-                first = {p: i for i, p in reversed(list(enumerate(self.eval_prompts.prompts)))}
-                rows = sorted(first.values())[:SAMPLES_SHOWN]
-                prompts = [self.eval_prompts.prompts[i] for i in rows]
-                trained = self.eval_images[torch.tensor(rows)]
-                save_comparison(self.base_samples(rows), trained, prompts, self.out / "samples.png")
-            plot_run(self.out)
-        self.accelerator.wait_for_everyone()
         return history
+
+    def _figures(self, history: list[dict[str, Any]]) -> None:
+        """``samples.png`` (after an evaluation) and ``curves.png``, when epochs were trained."""
+        if not history:
+            return
+        if self.eval_images is not None:
+            first = {p: i for i, p in reversed(list(enumerate(self.eval_prompts.prompts)))}
+            rows = sorted(first.values())[:SAMPLES_SHOWN]
+            prompts = [self.eval_prompts.prompts[i] for i in rows]
+            trained = self.eval_images[torch.tensor(rows)]
+            save_comparison(self.base_samples(rows), trained, prompts, self.out / "samples.png")
+        plot_run(self.out)
 
 
 def main(argv: list[str] | None = None) -> None:
@@ -729,11 +769,18 @@ def main(argv: list[str] | None = None) -> None:
     add_config_arguments(parser)
     parser.add_argument("--resume", default=None, help="'latest' or a checkpoint directory")
     parser.add_argument(
+        "--overwrite",
+        action="store_true",
+        help="delete the run train.out_dir holds (its checkpoints, metrics and figures) and start afresh",
+    )
+    parser.add_argument(
         "--check",
         action="store_true",
         help="check the config, the weights it names (offline) and the memory it needs, then exit",
     )
     args = parser.parse_args(argv)
+    if args.resume and args.overwrite:
+        parser.error("--overwrite starts a run afresh: it cannot --resume one")
     try:
         defaults = None
         if args.config is None:
@@ -754,7 +801,10 @@ def main(argv: list[str] | None = None) -> None:
             trainer.resume(args.resume)
         except (CheckpointError, ConfigError, FileNotFoundError) as error:
             parser.error(f"--resume {args.resume}: {error}")
-    trainer.train()
+    try:
+        trainer.train(overwrite=args.overwrite)
+    except RunDirError as error:
+        parser.error(str(error))
     trainer.accelerator.end_training()
 
 

@@ -39,6 +39,7 @@ DIFFUSION_MODULES = (
     "rewards",
     "config",
     "checkpoint",
+    "run_dir",
     "train",
     "evaluate",
     "prompts",

@@ -7,6 +7,7 @@ import math
 import shutil
 import subprocess
 import sys
+import warnings
 from pathlib import Path
 
 import numpy as np
@@ -82,6 +83,37 @@ def test_plot_run_draws_every_kind_of_curve(tmp_path):
         assert image.width > 4 * image.height / 2  # four panels side by side
     with pytest.raises(FileNotFoundError, match="metrics"):
         read_metrics(tmp_path / "missing")
+
+
+def test_a_cut_off_last_metrics_line_is_left_out_with_a_warning(tmp_path):
+    """Issue 39 item 6: a last line cut off by a kill stopped every reader with a bare JSONDecodeError."""
+    (tmp_path / "metrics.jsonl").write_text("".join(json.dumps({"epoch": e}) + "\n" for e in (0, 1)))
+    with (tmp_path / "metrics.jsonl").open("a") as file:
+        file.write('{"epoch": 2, "seconds": 1.')  # killed in the middle of the write
+    with pytest.warns(UserWarning, match=r"metrics\.jsonl': its last line is cut off"):
+        assert [r["epoch"] for r in read_metrics(tmp_path)] == [0, 1]
+    lines = (tmp_path / "metrics.jsonl").read_text().splitlines()
+    (tmp_path / "metrics.jsonl").write_text("\n".join([lines[0], "{oops", *lines[1:]]) + "\n")
+    with pytest.raises(RuntimeError, match=r"metrics\.jsonl': line 2 is not a metrics record"):
+        read_metrics(tmp_path)
+    with pytest.raises(FileNotFoundError, match="no metrics file"):
+        read_metrics(tmp_path / "absent")
+
+
+def test_epochs_logged_again_are_read_once_the_last_attempt_winning(tmp_path):
+    """Issue 39 item 7: a metrics file written before runs kept one record per epoch ([0, 1, 2, 1, 2]
+    after a resume from epoch 1) counted the repeats in the study's curves, alphas and epoch times."""
+    epochs, seconds = [0, 1, 2, 1, 2], [1.0, 2.0, 3.0, 20.0, 30.0]
+    (tmp_path / "metrics.jsonl").write_text(
+        "".join(json.dumps({"epoch": e, "seconds": s}) + "\n" for e, s in zip(epochs, seconds, strict=True))
+    )
+    with pytest.warns(UserWarning, match=r"logs epochs \[1, 2\] more than once"):
+        records = read_metrics(tmp_path)
+    assert [(r["epoch"], r["seconds"]) for r in records] == [(0, 1.0), (1, 20.0), (2, 30.0)]
+    (tmp_path / "metrics.jsonl").write_text("".join(json.dumps({"epoch": e}) + "\n" for e in (0, 1)))
+    with warnings.catch_warnings():
+        warnings.simplefilter("error")  # a clean file reads without a word
+        assert read_metrics(tmp_path) == [{"epoch": 0}, {"epoch": 1}]
 
 
 def test_save_grid_places_each_image(tmp_path):
@@ -228,6 +260,32 @@ def test_evaluate_errors_are_one_line(runs, capsys, tmp_path):
         assert exit_info.value.code == 2
         error = capsys.readouterr().err.strip().splitlines()[-1]
         assert message in error, error
+
+
+def test_results_on_other_prompts_are_neither_combined_nor_written_over(runs, capsys):
+    """Issue 39 item 15: --combine put results of different prompt sets side by side (composites
+    -1 and +1 for one checkpoint), and an evaluation on other prompts replaced the default
+    eval-step-N.json. Other prompts get their own file, and combining them is refused naming both."""
+    _, root = runs
+    own = _evaluate(capsys, root / "sum")
+    written = root / "sum" / "eval-step-000002.json"
+    kept = written.read_bytes()
+    other = _evaluate(capsys, root / "sum", "--prompts", "shapes:heldout:3", "--name", "sum-3")
+    assert written.read_bytes() == kept
+    assert (other["num_prompts"], own["num_prompts"]) == (3, 5)
+    assert other["prompts_sha256"] != own["prompts_sha256"]
+    assert json.loads((root / "sum" / "eval-step-000002-shapes-heldout-3.json").read_text()) == other
+    with pytest.raises(SystemExit):
+        main(["--combine", str(written), str(root / "sum" / "eval-step-000002-shapes-heldout-3.json")])
+    error = capsys.readouterr().err
+    assert "'sum/step-000002' was evaluated on shapes:heldout:5 (5 prompts" in error
+    assert "'sum-3' on shapes:heldout:3 (3 prompts" in error
+    moved = {**json.loads(kept), "prompts_sha256": "0" * 64}  # made on other prompts, of the same name
+    written.write_text(json.dumps(moved))
+    with pytest.raises(SystemExit):
+        main([str(root / "sum")])
+    assert "eval-step-000002.json' holds an evaluation on shapes:heldout:5" in capsys.readouterr().err
+    assert json.loads(written.read_text()) == moved
 
 
 def test_results_table_needs_distinct_names_and_a_common_metric():

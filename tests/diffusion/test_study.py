@@ -5,6 +5,7 @@ from __future__ import annotations
 import json
 import shutil
 import statistics
+from pathlib import Path
 
 import pytest
 
@@ -145,9 +146,9 @@ def test_the_quick_study_runs_resumes_and_writes_its_results(tmp_path):
         base_color + mean
     )
     assert final["metrics"]["shapes_color"] in summary["arms"]["marble_n10"]["means"]["shapes_color"]
-    kept = (run / "metrics.jsonl", run / compare.FINAL_EVAL)
+    kept = (run / "run.json", run / "finished.json", run / "metrics.jsonl", run / compare.FINAL_EVAL)
     written = [path.stat().st_mtime_ns for path in kept]
-    for path in run.iterdir():  # a run kept as its metrics and final evaluation, as the docs commit them
+    for path in run.iterdir():  # a run kept as its record, marker, metrics and final evaluation
         if path not in kept:
             shutil.rmtree(path) if path.is_dir() else path.unlink()
     seed0 = run.parent / "seed0"  # finished with its checkpoint, but not evaluated finally
@@ -172,3 +173,22 @@ def test_bad_arguments_are_named(tmp_path):
         study.main(["--out", str(tmp_path), "--arms", "marble_n10"])  # no weighted sum to pair against
     with pytest.raises(SystemExit):
         study.main(["--out", str(tmp_path), "--seeds", "1"])
+
+
+def test_no_train_remakes_the_committed_study_and_only_it_reads_runs_without_records(tmp_path, monkeypatch):
+    """The committed study keeps its runs as their metrics and final evaluation, written before
+    runs had a record (run.json): --no-train reads them as they are, its tables byte for byte the
+    committed ones; a study that would train refuses them (their config cannot be checked), and
+    writes nothing."""
+    committed = Path(__file__).resolve().parents[2] / "docs" / "_generated" / "study_120x128"
+    out = Path("docs") / "_generated" / "study_120x128"  # the committed command, run in a copy
+    shutil.copytree(committed, tmp_path / out)
+    monkeypatch.chdir(tmp_path)
+    study.main(["--out", str(out), "--no-train"])
+    for name in ("results.md", "results.rst"):
+        assert (out / name).read_text() == (committed / name).read_text(), name
+    before = {path: path.read_bytes() for path in out.rglob("*") if path.is_file()}
+    with pytest.raises(SystemExit) as exit_:
+        study.main(["--out", str(out)])
+    assert exit_.value.code == 2
+    assert {path: path.read_bytes() for path in out.rglob("*") if path.is_file()} == before

@@ -10,6 +10,7 @@ import shutil
 import signal
 import subprocess
 import sys
+import time
 from pathlib import Path
 
 import pytest
@@ -21,11 +22,12 @@ from hypothesis import given
 from hypothesis import strategies as st
 
 import mogo
-from mogo_diffusion import models
+from mogo_diffusion import compare, models
 from mogo_diffusion import train as train_module
 from mogo_diffusion.advantages import per_reward_advantages, weighted_sum_advantages
 from mogo_diffusion.checkpoint import CheckpointError, load_checkpoint, save_checkpoint
 from mogo_diffusion.config import Config, ConfigError, load_config
+from mogo_diffusion.evaluate import read_metrics
 from mogo_diffusion.nft import kl_loss, nft_loss
 from mogo_diffusion.streams import stream_seed
 from mogo_diffusion.train import MicroBatch, Trainer, check_config, main
@@ -610,6 +612,15 @@ def bad_state(case: str, good: dict) -> tuple[object, str]:
         "epoch text": ({**good, "epoch": "abc"}, r"field 'epoch' must be a non-negative integer, got 'abc'"),
         "epoch negative": ({**good, "epoch": -5}, r"field 'epoch' must be a non-negative integer, got -5"),
         "short eval_ema": (short, r"field 'eval_ema' has \d+ tensors where this model's adapter has \d+"),
+        "eval_ema dtype": (  # issue 39 item 16: it crashed in the EMA update, after a whole epoch
+            {**good, "eval_ema": [t.half() for t in good["eval_ema"]]},
+            r"field 'eval_ema': tensor 0 has shape \(\d+, \d+\) and dtype torch\.float16 where this "
+            r"model's adapter has \(\d+, \d+\) and torch\.float32",
+        ),
+        "epoch beyond": (  # issue 39 item 16: it exited 0, training nothing, without a word
+            {**good, "epoch": 5},
+            r"field 'epoch' is 5, beyond this run's train\.epochs=2: set train\.epochs to 5 or more",
+        ),
         "wrong shapes": (
             {**good, "old": [t.flatten() for t in good["old"]]},
             r"field 'old': tensor 0 has shape",
@@ -623,8 +634,8 @@ def bad_state(case: str, good: dict) -> tuple[object, str]:
     }[case]
 
 
-BAD_STATES = ["empty", "list", "epoch text", "epoch negative", "short eval_ema", "wrong shapes",
-              "not tensors", "optimizer", "config"]  # fmt: skip
+BAD_STATES = ["empty", "list", "epoch text", "epoch negative", "epoch beyond", "short eval_ema",
+              "eval_ema dtype", "wrong shapes", "not tensors", "optimizer", "config"]  # fmt: skip
 
 
 @pytest.mark.parametrize("case", BAD_STATES)
@@ -646,7 +657,7 @@ def test_a_malformed_state_json_is_named_and_nothing_is_changed(
     assert torch.equal(lora_vector(fresh), before)
     assert all(torch.equal(a, b) for a, b in zip(fresh.eval_ema, ema, strict=True))
     assert_same(fresh.optimizer.state_dict(), optimizer)
-    if case == "epoch negative":  # the command stops before it writes anything
+    if case in ("epoch negative", "epoch beyond"):  # the command stops before it writes anything
         recorded = (run / "config.yaml").read_text()
         with pytest.raises(SystemExit):
             main(["--config", str(save_config(tiny_dir, run, tmp_path)), "--resume", "latest"])
@@ -708,8 +719,8 @@ main(["--config", sys.argv[1]])
 
 
 def test_a_run_killed_while_saving_resumes_from_its_last_complete_checkpoint(tiny_dir, tmp_path):
-    """kill -9 in the middle of a real save (step 2, after its LoRA export): step 1 is chosen, and
-    the resumed run ends bit-identical to an uninterrupted one."""
+    """kill -9 in the middle of a real save (step 2, the final one, after its LoRA export): the run
+    is unfinished, step 1 is chosen, and the resumed run ends bit-identical to an uninterrupted one."""
     path = tmp_path / "run.yaml"
     config(tiny_dir, tmp_path / "killed", epochs=2).save(path)
     env = {**os.environ, "PYTHONPATH": str(Path(__file__).resolve().parents[2]), "OMP_NUM_THREADS": "1"}
@@ -719,12 +730,132 @@ def test_a_run_killed_while_saving_resumes_from_its_last_complete_checkpoint(tin
     assert child.returncode == -signal.SIGKILL, child.stderr.decode()[-2000:]
     checkpoints = tmp_path / "killed" / "checkpoints"
     assert sorted(p.name for p in checkpoints.iterdir()) == ["step-000001", "step-000002.tmp"]
-    resumed = Trainer(config(tiny_dir, tmp_path / "killed", epochs=2))
+    # issue 39 item 5: its last epoch was logged before the save, and the comparison took it for
+    # finished, then failed to evaluate it on every restart; it is unfinished, to be resumed
+    killed = config(tiny_dir, tmp_path / "killed", epochs=2)
+    assert [r["epoch"] for r in read_metrics(tmp_path / "killed")] == [0, 1]
+    assert not compare.done(killed)
+    assert compare.decide(killed) == ("resume", "unfinished, from step-000001")
+    resumed = Trainer(killed)
     resumed.resume("latest")
     assert resumed.epoch == 1
     resumed.train()
+    assert compare.done(killed)
     whole = Trainer(config(tiny_dir, tmp_path / "whole", epochs=2))
     whole.train()
     assert torch.equal(lora_vector(resumed), lora_vector(whole))
     assert all(torch.equal(a, b) for a, b in zip(whole.eval_ema, resumed.eval_ema, strict=True))
     assert sorted(p.name for p in checkpoints.iterdir()) == ["step-000001", "step-000002"]
+
+
+# ---- the run directory: one run, one process, one record per epoch (issue 39) -------------------
+
+
+def test_a_new_run_is_refused_in_a_directory_that_holds_one_unless_overwritten(
+    tiny_dir, one_epoch_run, tmp_path, capsys
+):
+    """Issue 39 item 3: without --resume, a second run appended to the old metrics.jsonl, rewrote
+    config.yaml and kept the old run's checkpoints, and `evaluate` then scored the old seed's
+    checkpoint under the new seed's config. It is refused before anything is written, naming the
+    directory and the ways on; --overwrite replaces the old run whole."""
+    run = copy_run(one_epoch_run, tmp_path / "run")
+    files = {p: p.read_bytes() for p in run.rglob("*") if p.is_file() and p.name != "run.lock"}
+    path = tmp_path / "seed1.yaml"
+    config(tiny_dir, run, "marble", epochs=1, seed=1).save(path)
+    with pytest.raises(SystemExit) as exit_:
+        main(["--config", str(path)])
+    assert exit_.value.code == 2
+    assert re.search(
+        rf"'{re.escape(str(run))}' holds a run already \(finished, train\.epochs=1\): continue it with "
+        r"--resume latest, .* another train\.out_dir, or pass --overwrite",
+        capsys.readouterr().err,
+    )
+    assert {p: p.read_bytes() for p in run.rglob("*") if p.is_file() and p.name != "run.lock"} == files
+    main(["--config", str(path), "--overwrite"])
+    assert load_config(run / "config.yaml").train.seed == 1
+    assert [r["epoch"] for r in read_metrics(run)] == [0]
+    assert load_checkpoint(run / "checkpoints" / "step-000001")["config"]["train"]["seed"] == 1
+    with pytest.raises(SystemExit):
+        main(["--config", str(path), "--overwrite", "--resume", "latest"])
+    assert "--overwrite starts a run afresh" in capsys.readouterr().err
+
+
+HOLD_AFTER_FIRST_SAVE = r"""
+import sys, time
+from pathlib import Path
+from mogo_diffusion import checkpoint
+from mogo_diffusion.train import main
+
+def boundary(name):
+    if name == "rename":  # step 1 is published; the run holds its directory on, until killed
+        Path(sys.argv[2]).write_text("saved")
+        time.sleep(3600)
+checkpoint._boundary = boundary
+main(["--config", sys.argv[1]])
+"""
+
+
+def test_a_second_process_cannot_train_into_a_claimed_directory(tiny_dir, tmp_path, capsys):
+    """Issue 39 item 4: two runs on one out_dir at once deleted each other's staging folders and
+    left one run's config with the other's checkpoints and interleaved metrics. While a real
+    training process holds the directory, another run is refused naming its pid, and nothing of
+    the first changes; killed, it leaves no stale claim: its run resumes."""
+    out, ready = tmp_path / "run", tmp_path / "ready"
+    first, second = tmp_path / "seed0.yaml", tmp_path / "seed1.yaml"
+    config(tiny_dir, out, "weighted_sum", epochs=2, seed=0).save(first)
+    config(tiny_dir, out, "weighted_sum", epochs=2, seed=1).save(second)
+    env = {**os.environ, "PYTHONPATH": str(Path(__file__).resolve().parents[2]), "OMP_NUM_THREADS": "1"}
+    with (tmp_path / "holder.log").open("w") as log:
+        holder = subprocess.Popen(
+            [sys.executable, "-c", HOLD_AFTER_FIRST_SAVE, str(first), str(ready)], env=env, stdout=log,
+            stderr=subprocess.STDOUT,
+        )  # fmt: skip
+    try:
+        deadline = time.monotonic() + 600  # a hang fails the test rather than stall the suite
+        while not ready.exists():
+            assert holder.poll() is None, (tmp_path / "holder.log").read_text()[-2000:]
+            assert time.monotonic() < deadline, "the holding run never reached its first save"
+            time.sleep(0.2)
+        held = {p: p.read_bytes() for p in out.rglob("*") if p.is_file()}
+        for argv in (["--config", str(second)], ["--config", str(first), "--resume", "latest"]):
+            with pytest.raises(SystemExit):
+                main(argv)
+            assert f"run' is in use by another process (pid {holder.pid})" in capsys.readouterr().err
+        assert {p: p.read_bytes() for p in out.rglob("*") if p.is_file()} == held
+    finally:
+        holder.kill()
+        holder.wait()
+    assert load_config(out / "config.yaml").train.seed == 0
+    assert [r["epoch"] for r in read_metrics(out)] == [0]
+    main(["--config", str(first), "--resume", "latest"])  # the kill released the claim
+    assert [r["epoch"] for r in read_metrics(out)] == [0, 1]
+    assert compare.done(config(tiny_dir, out, "weighted_sum", epochs=2, seed=0))
+
+
+def test_a_resume_from_an_earlier_checkpoint_logs_each_epoch_once(tiny_dir, tmp_path):
+    """Issue 39 item 7: a run resumed from an earlier checkpoint (or killed between its metrics
+    line and its save) logged epochs again ([0, 1, 1]). The records from the resumed epoch on are
+    replaced by the new attempt's."""
+    Trainer(config(tiny_dir, tmp_path, "weighted_sum", epochs=2)).train()
+    again = Trainer(config(tiny_dir, tmp_path, "weighted_sum", epochs=2))
+    again.resume(tmp_path / "checkpoints" / "step-000001")
+    (epoch1,) = again.train()
+    lines = (tmp_path / "metrics.jsonl").read_text().splitlines()
+    assert [json.loads(line)["epoch"] for line in lines] == [0, 1]
+    assert json.loads(lines[1]) == json.loads(json.dumps(epoch1))  # the new attempt's record
+
+
+def test_a_resume_after_a_kill_in_the_middle_of_a_metrics_line_rewrites_it(tiny_dir, one_epoch_run, tmp_path):
+    """Issue 39 item 6: a resumed run appended to a line cut off by a kill, and died at its end
+    reading the file (plot_run); the cut-off line is left out (with a warning) and the file
+    rewritten whole."""
+    run = copy_run(one_epoch_run, tmp_path / "run")
+    with (run / "metrics.jsonl").open("a") as file:
+        file.write('{"epoch": 1, "seconds": 4.2, "reward/sharp')
+    resumed = Trainer(config(tiny_dir, run, "marble", epochs=2))
+    resumed.resume("latest")
+    with pytest.warns(UserWarning, match=r"metrics\.jsonl': its last line is cut off"):
+        resumed.train()
+    lines = (run / "metrics.jsonl").read_text().splitlines()
+    assert [json.loads(line)["epoch"] for line in lines] == [0, 1]
+    assert (run / "curves.png").stat().st_size > 0
