@@ -34,6 +34,7 @@ DIFFUSION_MODULES = (
     "models",
     "tokenizers",
     "sampling",
+    "attention",
     "nft",
     "advantages",
     "rewards",
