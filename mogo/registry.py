@@ -12,7 +12,7 @@ from __future__ import annotations
 
 import difflib
 from collections.abc import Callable, Iterable, Iterator, Mapping
-from typing import Any, Generic, TypeVar, overload
+from typing import Any
 
 from mogo.aligned_mtl import AlignedMTL
 from mogo.cagrad import CAGrad
@@ -23,9 +23,6 @@ from mogo.upgrad import UPGrad
 from mogo.weighting import MinNorm, WeightedSum, Weighting
 
 __all__ = ["WEIGHTINGS", "Registry", "closest", "make_weighting", "register_weighting"]
-
-T = TypeVar("T")
-F = TypeVar("F", bound=Callable[..., Any])
 
 
 def closest(word: object, choices: Iterable[str]) -> str:
@@ -42,7 +39,7 @@ def closest(word: object, choices: Iterable[str]) -> str:
     return f" (did you mean {close[0]!r}?)" if close else ""
 
 
-class Registry(Mapping[str, Callable[..., T]], Generic[T]):
+class Registry(Mapping[str, Callable[..., Any]]):
     """Factories by name: register them, then build one by name with its options.
 
     A read-only mapping of name to factory (``name in registry``, ``registry[name]``, iteration
@@ -66,19 +63,13 @@ class Registry(Mapping[str, Callable[..., T]], Generic[T]):
         ValueError: unknown shape 'cirle' (did you mean 'circle'?). Known shapes: circle, square
     """
 
-    def __init__(self, kind: str, factories: Mapping[str, Callable[..., T]] | None = None) -> None:
+    def __init__(self, kind: str, factories: Mapping[str, Callable[..., Any]] | None = None) -> None:
         self.kind = kind
-        self._factories: dict[str, Callable[..., T]] = {}
+        self._factories: dict[str, Callable[..., Any]] = {}
         for name, factory in (factories or {}).items():
             self.register(name, factory)
 
-    @overload
-    def register(self, name: str) -> Callable[[F], F]: ...
-
-    @overload
-    def register(self, name: str, factory: F) -> F: ...
-
-    def register(self, name: str, factory: F | None = None) -> F | Callable[[F], F]:
+    def register(self, name: str, factory: Callable[..., Any] | None = None) -> Callable[..., Any]:
         """Register ``factory`` (a class or a function) under ``name``, and return it; without a
         factory, a decorator that registers the class or function it decorates.
 
@@ -98,7 +89,7 @@ class Registry(Mapping[str, Callable[..., T]], Generic[T]):
         self._factories[name] = factory
         return factory
 
-    def factory(self, name: str) -> Callable[..., T]:
+    def factory(self, name: str) -> Callable[..., Any]:
         """The factory registered under ``name``.
 
         Raises:
@@ -112,7 +103,7 @@ class Registry(Mapping[str, Callable[..., T]], Generic[T]):
             )
         return self._factories[name]
 
-    def make(self, name: str, **options: Any) -> T:
+    def make(self, name: str, **options: Any) -> Any:
         """Build what is registered under ``name``, with ``options`` as keyword arguments.
 
         Raises:
@@ -129,18 +120,18 @@ class Registry(Mapping[str, Callable[..., T]], Generic[T]):
         """The registered names, sorted."""
         return tuple(sorted(self._factories))
 
-    def pop(self, name: str) -> Callable[..., T]:
+    def pop(self, name: str) -> Callable[..., Any]:
         """Remove the factory registered under ``name`` and return it (``ValueError`` as
         :meth:`factory` when there is none)."""
         factory = self.factory(name)
         del self._factories[name]
         return factory
 
-    def copy(self) -> Registry[T]:
+    def copy(self) -> Registry:
         """A registry of the same kind with the same factories, which registers apart from this one."""
         return Registry(self.kind, self._factories)
 
-    def __getitem__(self, name: str) -> Callable[..., T]:
+    def __getitem__(self, name: str) -> Callable[..., Any]:
         return self._factories[name]
 
     def __iter__(self) -> Iterator[str]:
@@ -158,7 +149,7 @@ def mgda(**options: Any) -> MinNorm:
     return MinNorm(normalize="none", **options)
 
 
-WEIGHTINGS: Registry[Weighting] = Registry(
+WEIGHTINGS = Registry(
     "weighting",
     {
         "min_norm": MinNorm,
@@ -177,7 +168,7 @@ WEIGHTINGS: Registry[Weighting] = Registry(
 
 def register_weighting(name: str, factory: Callable[..., Weighting]) -> None:
     """Register ``factory`` under ``name`` (lower case, letters, digits and ``_``):
-    :meth:`WEIGHTINGS.register <Registry.register>`.
+    :meth:`mogo.WEIGHTINGS.register <mogo.Registry.register>`.
 
     Raises:
         ValueError: the name is malformed or already taken.
@@ -187,7 +178,7 @@ def register_weighting(name: str, factory: Callable[..., Weighting]) -> None:
 
 def make_weighting(name: str, **options: Any) -> Weighting:
     """The weighting registered as ``name``, built with ``options``:
-    :meth:`WEIGHTINGS.make <Registry.make>`.
+    :meth:`mogo.WEIGHTINGS.make <mogo.Registry.make>`.
 
     Raises:
         ValueError: no weighting of that name (the message suggests the closest name), or the

@@ -19,7 +19,7 @@ __all__ = ["REWARDS", "available_rewards", "make_reward", "register_reward", "re
 
 F = TypeVar("F", bound=Callable[..., Reward])
 
-REWARDS: Registry[Reward] = Registry("reward")
+REWARDS = Registry("reward")
 """Every registered reward: name (a lower-case identifier) to factory."""
 
 
