@@ -107,14 +107,10 @@ class Registry(Mapping[str, Callable[..., Any]]):
         """Build what is registered under ``name``, with ``options`` as keyword arguments.
 
         Raises:
-            ValueError: no factory has that name (as :meth:`factory`), or the factory rejects
-                the options (a ``TypeError`` of its own, re-raised naming the entry).
+            ValueError: no factory has that name (as :meth:`factory`). What the factory raises
+                passes as it is (a ``TypeError`` for an option it does not take).
         """
-        factory = self.factory(name)
-        try:
-            return factory(**options)
-        except TypeError as error:
-            raise ValueError(f"{self.kind} {name!r}: {error}") from None
+        return self.factory(name)(**options)
 
     def names(self) -> tuple[str, ...]:
         """The registered names, sorted."""
@@ -182,11 +178,14 @@ def make_weighting(name: str, **options: Any) -> Weighting:
 
     Raises:
         ValueError: no weighting of that name (the message suggests the closest name), or the
-            factory rejects the options.
+            factory rejects the options (its ``TypeError``, naming the weighting).
 
     Example:
         >>> import mogo
         >>> mogo.make_weighting("min_norm", normalize="none")
         MinNorm(normalize='none', method='auto', scale='unit')
     """
-    return WEIGHTINGS.make(name, **options)
+    try:
+        return WEIGHTINGS.make(name, **options)
+    except TypeError as error:
+        raise ValueError(f"weighting {name!r}: {error}") from None

@@ -41,6 +41,6 @@ def reward_factory(name: str) -> Callable[..., Reward]:
 
 
 def make_reward(name: str, **options: Any) -> Reward:
-    """Build the reward registered under ``name`` with its ``options``; ``ValueError`` naming
-    the reward when the name is unknown or its factory rejects the options."""
+    """Build the reward registered under ``name`` with its ``options``; ``ValueError`` for an
+    unknown name, the factory's own ``TypeError`` for an option it does not take."""
     return REWARDS.make(name, **options)
