@@ -13,14 +13,14 @@ from mogo.jacobian import objective_grads
 from mogo.nash_mtl import NashMTL
 from mogo.optim import HarmonizedOptimizer
 from mogo.pcgrad import PCGrad
-from mogo.registry import make_weighting, register_weighting
+from mogo.registry import Registry, make_weighting, register_weighting
 from mogo.solvers import MinNormResult, SolverError, min_norm
 from mogo.torchjd_weighting import TorchJDWeighting
 from mogo.upgrad import UPGrad
 from mogo.weighting import Certificate, CheckedWeighting, MinNorm, WeightedSum, Weighting, Weights
 
-#: Name to factory of every registered weighting; the factory takes the weighting's options as
-#: keyword arguments (see :func:`mogo.make_weighting`). The registry's own dict, not a copy.
+#: Every registered weighting, a :class:`mogo.Registry` of name to factory; the factory takes the
+#: weighting's options as keyword arguments (see :func:`mogo.make_weighting`).
 WEIGHTINGS = registry.WEIGHTINGS
 
 __version__ = "0.1.0"
@@ -45,6 +45,7 @@ __all__ = [
     "NashMTL",
     "NormalizedGram",
     "PCGrad",
+    "Registry",
     "ShardedParameters",
     "SolverError",
     "TorchJDWeighting",

@@ -131,10 +131,23 @@ class ConflictMeter:
         """Fraction of harmonization steps whose weighted-sum direction opposed an objective."""
         return self.conflicts / self.steps if self.steps else 0.0
 
+    def state_dict(self) -> dict[str, Any]:
+        """The running statistics, ``{field: value}``, for a checkpoint."""
+        return {field.name: getattr(self, field.name) for field in fields(self)}
+
+    def load_state_dict(self, state: dict[str, Any]) -> None:
+        """Restore a :meth:`state_dict`; a bad one raises ``ValueError`` naming every bad field,
+        before anything changes."""
+        problems = self.state_problems(state)
+        if problems:
+            raise ValueError(f"invalid conflict meter state: {'; '.join(problems)}")
+        for name, value in state.items():
+            setattr(self, name, value)
+
     @staticmethod
     def state_problems(state: Any) -> list[str]:
-        """Everything wrong with a meter's state (``dict(vars(meter))``), as ``"field: problem"``
-        strings (empty: ``ConflictMeter(**state)`` restores it)."""
+        """Everything wrong with a :meth:`state_dict`, as ``"field: problem"`` strings (empty:
+        it loads)."""
         if not isinstance(state, dict):
             return [f"must be a dict, got {type(state).__name__}"]
         names = [field.name for field in fields(ConflictMeter)]

@@ -10,27 +10,30 @@
 optimizer. ``param_groups``, ``state`` and ``defaults`` are the wrapped optimizer's own, so LR
 schedulers, ``GradScaler``, gradient clipping and checkpointing work unchanged.
 
-A step is a *window*: ``zero_grad`` (or the last ``step``) opens it with a copy of mogo's state,
-each ``backward`` runs the stages below, and ``step`` closes it.
+A harmonizing ``backward(losses)`` runs five stages, each a method defined below it in this order:
 
-1. ``_finite_losses``: the losses and ``shared`` finite, agreed across ranks, or the policy acts;
+1. finite? ``StepGuard.losses``: the losses and ``shared`` finite on every rank, or the
+   non-finite policy acts (``mogo.nonfinite``);
 2. ``_objective_grads``: the per-objective gradients, reduced across ranks by the layout;
-3. ``_harmonize``: the Gram matrix, the weights, ``sum_k w_k g_k`` into ``.grad``;
-4. ``harmonize`` (called by ``step``): the window's last reduction and one finiteness decision
-   on the whole ``.grad``.
+3. ``_gram``: their Gram matrix over the harmonized parameters (a gradient that is not finite
+   goes to the policy: ``StepGuard.gradients``);
+4. ``_weigh``: the weighting's weights;
+5. ``_add_to_grads``: ``sum_k w_k g_k`` into ``.grad``; then the report, and the weights kept for
+   the window's other micro-batches and the amortized steps (``_remember``).
 
-Between harmonizations, ``_backward_weighted`` replaces 2 and 3 by one backward of
-``sum_k w_k L_k + shared``. ``_nonfinite`` is the one policy all checks share; a skipped step
-restores the window's copy of mogo's state.
+Between harmonizations ``_backward_weighted`` replaces stages 2 to 5 by one backward of
+``sum_k w_k L_k + shared``. A step is a *window*: ``zero_grad`` (or the last ``step``) opens it,
+each ``backward`` runs the stages, and ``step`` closes it with ``harmonize`` (stages 3 to 5 on the
+window's sums under ``accumulation="window"``, the layout's averaging of ``.grad``, and the
+policy's one decision on the whole ``.grad``) and the wrapped optimizer's update. A skipped step
+returns mogo's state to what it was when the window opened, through the components'
+``load_state_dict``.
 """
 
 from __future__ import annotations
 
-import copy
-import math
 from collections import OrderedDict
 from collections.abc import Callable, Iterable, Sequence
-from contextlib import AbstractContextManager, nullcontext
 from numbers import Integral
 from typing import Any, Literal
 
@@ -41,14 +44,17 @@ from torch.autograd.profiler import record_function
 
 from mogo.amortize import AmortizedWeights
 from mogo.diagnostics import ConflictMeter, ConflictReport
-from mogo.distributed import DataParallel, ShardedParameters, _Layout, as_parameter_grad, local_tensor
+from mogo.distributed import DataParallel, ShardedParameters, _Layout, as_parameter_grad
 from mogo.gram import host_float64
 from mogo.jacobian import GradMode, objective_grads
+from mogo.nonfinite import NonFinitePolicy, StepGuard
+from mogo.optim_state import check_state_dict, has_state
 from mogo.weighting import MinNorm, WeightedSum, Weighting, Weights
 
 __all__ = ["HarmonizedOptimizer", "NonFinitePolicy"]
 
-NonFinitePolicy = Literal["raise", "skip", "drop"]
+#: What a skipped step returns to: mogo's part of ``state_dict()``, and ``last_report``.
+_Snapshot = tuple[dict[str, Any], ConflictReport | None]
 
 
 class HarmonizedOptimizer(torch.optim.Optimizer):
@@ -81,7 +87,7 @@ class HarmonizedOptimizer(torch.optim.Optimizer):
             the shared graph (autograd multiplies zero gradients by it, so every gradient is
             NaN), a non-finite gradient found after an amortized backward. Gradients that are
             all zero are no fault: the step adds zero (as a plain optimizer's would) and
-            ``last_report`` shows zero norms. See ``docs/failures.rst``.
+            ``last_report`` shows zero norms. See ``docs/failures.rst`` and ``mogo.nonfinite``.
         sum_weights: weights of the weighted-sum baseline in the conflict diagnostics
             (equal weights by default).
         accumulation: with several ``backward`` calls per step, ``"first"`` solves for the
@@ -112,8 +118,7 @@ class HarmonizedOptimizer(torch.optim.Optimizer):
         if not isinstance(optimizer, torch.optim.Optimizer):
             raise TypeError(f"optimizer must be a torch.optim.Optimizer, got {type(optimizer).__name__}")
         names = _objective_names(objectives)
-        if nonfinite not in ("raise", "skip", "drop"):
-            raise ValueError(f"nonfinite must be 'raise', 'skip' or 'drop', got {nonfinite!r}")
+        self._guard: StepGuard[_Snapshot] = StepGuard(nonfinite, names, self._snapshot, self._restore)
         if grad_mode not in ("auto", "batched", "sequential"):
             raise ValueError(f"grad_mode must be 'auto', 'batched' or 'sequential', got {grad_mode!r}")
         if accumulation not in ("first", "window"):
@@ -131,7 +136,6 @@ class HarmonizedOptimizer(torch.optim.Optimizer):
         self.weighting = MinNorm() if weighting is None else weighting
         self.amortizer = AmortizedWeights(harmonize_every, alpha_ema)
         self.grad_mode: GradMode = grad_mode
-        self.nonfinite: NonFinitePolicy = nonfinite
         self.sum_weights = None if sum_weights is None else _sum_weights(sum_weights, len(names))
         trainable = {id(p) for p in self._trainable()}
         chosen = self._trainable() if params is None else list(params)
@@ -144,14 +148,14 @@ class HarmonizedOptimizer(torch.optim.Optimizer):
         self._workspace: list[Tensor] | None = None  # sequential K gradients, reused across steps
         self.accumulation = accumulation
         self.distributed = distributed
-        self._begin_window()
+        # torch.optim.Optimizer's hook dicts: register_*_hook and step's hooks (profile_hook_step) use them
         self._optimizer_step_pre_hooks: OrderedDict = OrderedDict()
         self._optimizer_step_post_hooks: OrderedDict = OrderedDict()
         self._optimizer_state_dict_pre_hooks: OrderedDict = OrderedDict()
         self._optimizer_state_dict_post_hooks: OrderedDict = OrderedDict()
         self._optimizer_load_state_dict_pre_hooks: OrderedDict = OrderedDict()
         self._optimizer_load_state_dict_post_hooks: OrderedDict = OrderedDict()
-        self._patch_step_function()
+        self._open_window()
 
     # The wrapped optimizer's own dicts, so schedulers and GradScaler act on them.
     @property
@@ -178,69 +182,104 @@ class HarmonizedOptimizer(torch.optim.Optimizer):
     def defaults(self, value: dict[str, Any]) -> None:
         self.optimizer.defaults = value
 
-    def _trainable(self) -> list[Tensor]:
-        return [p for group in self.optimizer.param_groups for p in group["params"] if p.requires_grad]
-
     @property
-    def _layout(self) -> _Layout:
-        return _ONE_PROCESS if self.distributed is None else self.distributed
+    def nonfinite(self) -> NonFinitePolicy:
+        """The non-finite policy, ``"raise"``, ``"skip"`` or ``"drop"``; it may be changed between steps."""
+        return self._guard.policy
+
+    @nonfinite.setter
+    def nonfinite(self, policy: NonFinitePolicy) -> None:
+        self._guard.policy = policy
 
     # ---- one step: zero_grad, backward per micro-batch, step ---------------------------------
+
+    @torch.optim.Optimizer.profile_hook_step  # torch's step hooks, and the step's profiler range
+    def step(self, closure: Callable[[], Tensor] | None = None) -> Tensor | None:
+        """Update the parameters with the wrapped optimizer, unless a non-finite step is skipped.
+
+        ``closure``, if given, returns the K losses of a fresh forward pass; ``step`` then zeroes
+        the gradients and calls ``backward`` on them itself, and returns the losses.
+        """
+        losses = None
+        if closure is not None:
+            with torch.enable_grad():
+                self.zero_grad()
+                losses = closure()
+                self.backward(losses)
+        self.harmonize()
+        if not self._guard.skipped:
+            self.optimizer.step()
+            self.amortizer.step += 1
+        self._open_window()
+        return losses
+
+    def zero_grad(self, set_to_none: bool = True) -> None:
+        """Zero the gradients and open a new window (its first ``backward`` may harmonize)."""
+        self.optimizer.zero_grad(set_to_none=set_to_none)
+        self._open_window()
 
     def backward(self, losses: Tensor, shared: Tensor | None = None) -> None:
         """Accumulate the harmonized gradient of ``losses`` (K,) into ``.grad``.
 
         ``shared`` (a scalar, e.g. a KL term) is added with weight 1 and takes no part in the
-        weighting. Call once per micro-batch; ``step`` ends the window.
+        weighting. Call once per micro-batch; ``step`` ends the window. Its stages are listed
+        in the docstring of the module ``mogo.optim``.
 
-        The stages: the losses' finiteness (agreed across ranks) -> per-objective gradients ->
-        their reduction across ranks -> Gram matrix -> weights -> ``sum_k w_k g_k`` into
-        ``.grad``. Between harmonizations the cached weights make the middle stages one
-        backward of ``sum_k w_k L_k + shared``: autograd combines, the layout reduces.
+        Raises:
+            ValueError, TypeError: ``losses`` is not a ``(K,)`` tensor, or ``shared`` not a
+                scalar tensor.
+            FloatingPointError: a loss or gradient is not finite under ``nonfinite="raise"``.
         """
-        self._check_arguments(losses, shared)
-        window = self._window
-        window.final = False
-        if window.skipped:
-            return self._release_reducer(losses)
-        active = self._finite_losses(losses, shared)
+        _check_losses(losses, shared, self.objectives)
+        self._window.final = False
+        active = None if self._guard.skipped else self._guard.losses(losses, shared, self._layout)
         if active is None:
-            self._release_reducer(losses)
-            return self._skip()
-        if window.weights is not None or not self.amortizer.due:  # weights known: the short path
+            return self._sit_out(losses)
+        if self._window.weights is not None or not self.amortizer.due:  # weights known: one backward
             return self._backward_weighted(losses, shared, active)
         grads = self._objective_grads(losses, shared, active)
         if shared is not None:  # its row goes into .grad as it is; the others are weighted
             self._add_to_grads([None if g is None else g[-1] for g in grads])
             grads = [None if g is None else g[:-1] for g in grads]
         if self.accumulation == "window":
-            return self._accumulate(grads, losses.detach())
+            return self._window.accumulate(grads, losses.detach())
         self._harmonize(grads, losses.detach()[active], active)
 
-    def _check_arguments(self, losses: Tensor, shared: Tensor | None) -> None:
-        K = len(self.objectives)
-        if not isinstance(losses, Tensor) or losses.shape != (K,):
-            shape = tuple(losses.shape) if isinstance(losses, Tensor) else type(losses).__name__
-            raise ValueError(
-                f"losses must be a tensor of shape ({K},) for objectives {self.objectives}, got {shape}"
-            )
-        if shared is not None and not isinstance(shared, Tensor):
-            raise TypeError(f"shared must be a scalar tensor (a loss) or None, got {type(shared).__name__}")
-        if shared is not None and shared.numel() != 1:
-            raise ValueError(f"shared must be a scalar tensor (a loss), got shape {tuple(shared.shape)}")
+    def harmonize(self) -> None:
+        """Make ``.grad`` final: with ``accumulation="window"``, solve on the window's summed
+        gradients; under data parallelism without DDP, average ``.grad`` over the ranks; then
+        the step's finiteness decision on every gradient. ``step`` calls it; call it yourself
+        before clipping or unscaling gradients."""
+        window = self._window
+        if window.final:
+            return
+        window.final = True
+        if self._guard.skipped:
+            return
+        sums = window.take_sums()
+        if sums is not None:
+            self._harmonize(*sums, torch.ones(len(self.objectives), dtype=torch.bool))
+            if self._guard.skipped:
+                return
+        if window.local:
+            self._layout.finish(self._trainable())
+        self._guard.step_gradients(self._trainable(), self._layout)
 
-    def _finite_losses(self, losses: Tensor, shared: Tensor | None) -> Tensor | None:
-        """Stage 1: the ``(K,)`` mask of objectives this backward keeps (agreed across ranks), or
-        None to skip the step. A non-finite shared loss cannot be dropped: it skips the step."""
-        values = (
-            losses.detach() if shared is None else torch.cat([losses.detach(), shared.detach().reshape(1)])
-        )
-        names = [*self.objectives, "shared"][: values.numel()]
-        finite = self._layout.agree(torch.isfinite(values))
-        keep = self._nonfinite(finite, names, "loss for objective(s)", values)
-        if keep is None or not bool(keep[len(self.objectives) :].all()):
-            return None
-        return keep[: len(self.objectives)]
+    def _open_window(self) -> None:
+        """Open the window of the next optimizer step: the guard keeps mogo's state (a skipped
+        step returns to it), and the layout learns whether the window's first backward
+        harmonizes."""
+        self._window = _Window()
+        self._guard.open()
+        self._layout.expect(harmonizing=self.amortizer.due)
+
+    def _sit_out(self, losses: Tensor) -> None:
+        """A micro-batch of a skipped step adds nothing: skip the step if that is not done yet,
+        after running the backward a DDP reducer waits for, contributing nothing."""
+        if self._layout.reducer_waits():
+            (losses.sum() * 0).backward()
+        if not self._guard.skipped:
+            self._guard.skip(self._trainable())
 
     def _backward_weighted(self, losses: Tensor, shared: Tensor | None, active: Tensor) -> None:
         """The short path: one backward of ``sum_k w_k L_k + shared`` with the window's weights
@@ -255,9 +294,9 @@ class HarmonizedOptimizer(torch.optim.Optimizer):
         window.local = True
 
     def _objective_grads(self, losses: Tensor, shared: Tensor | None, active: Tensor) -> list[Tensor | None]:
-        """Stages 2 and 3: the stacked gradients ``[A (+ 1), *p.shape]`` of the active losses (and
-        of ``shared``, a last row), reduced across ranks; ``None`` for a parameter no loss
-        depends on. Sequential gradients land in a workspace kept between harmonizations
+        """The stacked gradients ``[A (+ 1), *p.shape]`` of the active losses (and of
+        ``shared``, a last row), reduced across ranks; ``None`` for a parameter no loss depends
+        on. Sequential gradients land in a workspace kept between harmonizations
         (``accumulation="first"``, whose harmonization consumes them at once)."""
         rows = losses[active]
         if shared is not None:
@@ -269,75 +308,60 @@ class HarmonizedOptimizer(torch.optim.Optimizer):
             if self._workspace is None or [b.shape for b in self._workspace] != shapes:
                 self._workspace = [p.new_empty(shape) for p, shape in zip(params, shapes, strict=True)]
             out = self._workspace
-        with _region("mogo.objective_grads"):
+        with record_function("mogo.objective_grads"):
             grads, self.grad_mode = objective_grads(
                 rows, params, mode=self.grad_mode, out=out, materialize_grads=False
             )
         return self._layout.reduce(grads, params, rows.shape[0])
 
-    def _accumulate(self, grads: list[Tensor | None], losses: Tensor) -> None:
-        """Add this micro-batch's K gradients to the window's buffers (``accumulation="window"``)."""
-        window = self._window
-        if window.buffers is None:
-            window.buffers, window.buffered_losses = grads, losses.clone()
-            return
-        window.buffers = [
-            g if b is None else b if g is None else b + g for b, g in zip(window.buffers, grads, strict=True)
-        ]
-        window.buffered_losses = window.buffered_losses + losses
-
     def _harmonize(self, grads: list[Tensor | None], losses: Tensor, active: Tensor) -> None:
-        """Stages 4 to 6 on the gradients of the ``A`` active objectives (one ``[A, *p.shape]``
-        or ``None`` per parameter) and their losses ``(A,)``: Gram matrix, weights, and
-        ``sum_k w_k g_k`` added to ``.grad``."""
-        params = self._trainable()
-        with _region("mogo.gramian"):
-            harmonized = [
-                g for g, p in zip(grads, params, strict=True) if g is not None and id(p) in self._harmonized
-            ]
-            gram = self._layout.gram(harmonized, losses.shape[0])
+        """Gram matrix, weights and ``.grad`` from the gradients of the ``A`` active objectives
+        (one ``[A, *p.shape]`` or ``None`` per parameter) and their losses ``(A,)``."""
+        gram = self._gram(grads, losses.shape[0])
         host = host_float64(gram)
         finite = np.isfinite(host.diagonal())  # G_kk = ||g_k||^2 is finite exactly when g_k is
         if not finite.all():
-            flags = torch.ones(len(self.objectives), dtype=torch.bool)
-            flags[active.cpu()] = torch.from_numpy(finite)
-            if (
-                self._nonfinite(flags, self.objectives, "gradient for objective(s)") is None
-                or not finite.any()
-            ):
-                return self._skip()  # e.g. a NaN that autograd spread into every gradient
+            kept = self._guard.gradients(torch.from_numpy(finite), active)
+            if kept is None:  # e.g. a NaN that autograd spread into every gradient
+                return self._guard.skip(self._trainable())
             rows = torch.from_numpy(finite)  # "drop": leave out the objectives with non-finite gradients
             grads = [None if g is None else g[rows.to(g.device)] for g in grads]
             gram, losses = gram[rows.to(gram.device)][:, rows.to(gram.device)], losses[rows.to(losses.device)]
-            active, host = active & flags.to(active.device), host[np.ix_(finite, finite)]
-        with _region("mogo.weighting"):
-            zero = not bool((host.diagonal() > 0).any())
+            active, host = kept, host[np.ix_(finite, finite)]
+        zero = not bool((host.diagonal() > 0).any())  # every gradient zero: no direction to learn from
+        weights = self._weigh(gram, losses, zero)
+        with record_function("mogo.combine"):
+            self._add_to_grads(
+                [None if g is None else _combine(weights.loss_weights, g) for g in grads], owned=True
+            )
+        self.last_report = report = self._report(gram, weights, active)
+        if not zero:  # else a no-op step, reported, and the next batch harmonizes
+            self._remember(weights, report, active)
+
+    def _gram(self, grads: list[Tensor | None], objectives: int) -> Tensor:
+        """The ``(A, A)`` float64 Gram matrix of the harmonized parameters' gradients,
+        the same on every rank (zeros when none of them has a gradient)."""
+        with record_function("mogo.gramian"):
+            harmonized = [
+                g
+                for g, p in zip(grads, self._trainable(), strict=True)
+                if g is not None and id(p) in self._harmonized
+            ]
+            return self._layout.gram(harmonized, objectives)
+
+    def _weigh(self, gram: Tensor, losses: Tensor, zero: bool) -> Weights:
+        """The weighting's weights for ``gram`` and ``losses`` (A,), checked; weights 0
+        when every gradient is ``zero``, where a weighting has no direction to find."""
+        with record_function("mogo.weighting"):
+            if zero:
+                return _zero_weights(gram)
             # A weighting of one's own may return anything: NaN weights would make .grad NaN, and
             # the step would be skipped or blamed on the parameters.
-            weights = (
-                _zero_weights(gram)
-                if zero
-                else self.weighting(gram, losses.to(torch.float64)).check(self.weighting)
-            )
-        with _region("mogo.combine"):
-            loss_weights = weights.loss_weights
-            self._add_to_grads([None if g is None else _combine(loss_weights, g) for g in grads], owned=True)
-        with _region("mogo.report"):
-            names = tuple(name for name, ok in zip(self.objectives, active.tolist(), strict=True) if ok)
-            sum_weights = None if self.sum_weights is None else self.sum_weights[active.cpu()]
-            report = ConflictReport.from_gram(gram, weights, names, sum_weights)
-        self.last_report = report
-        if zero:  # no direction to learn from: a no-op step, reported, and the next batch harmonizes
-            return
-        expanded = self._expand(weights, active)
-        self.amortizer.update(expanded)
-        self.meter.update(report)
-        self._window.weights = expanded.loss_weights
-        self._layout.expect(harmonizing=False)  # the window's other micro-batches are ordinary
+            return self.weighting(gram, losses.to(torch.float64)).check(self.weighting)
 
     def _add_to_grads(self, updates: list[Tensor | None], *, owned: bool = False) -> None:
-        """Add ``updates`` to ``.grad`` (``None``: no gradient, ``.grad`` stays as it is);
-        ``owned`` updates are fresh tensors ``.grad`` may keep."""
+        """Add ``updates`` to ``.grad`` (``None``: no gradient, ``.grad`` stays as it
+        is); ``owned`` updates are fresh tensors ``.grad`` may keep."""
         with torch.no_grad():
             for p, update in zip(self._trainable(), updates, strict=True):
                 if update is None:
@@ -348,136 +372,37 @@ class HarmonizedOptimizer(torch.optim.Optimizer):
                 else:
                     p.grad.add_(update)
 
-    def _expand(self, weights: Weights, active: Tensor) -> Weights:
-        """Weights over the active objectives, scattered to all K (alpha 0, divisor 1 elsewhere)."""
-        K = len(self.objectives)
-        alpha = weights.alpha.new_zeros(K)
-        divisor = weights.divisor.new_ones(K)
-        mask = active.to(alpha.device)
-        alpha[mask], divisor[mask] = weights.alpha, weights.divisor
-        return Weights(alpha, divisor, weights.scale, weights.solve)
+    def _report(self, gram: Tensor, weights: Weights, active: Tensor) -> ConflictReport:
+        """The diagnostics of a harmonization over the ``active`` objectives."""
+        with record_function("mogo.report"):
+            names = tuple(name for name, ok in zip(self.objectives, active.tolist(), strict=True) if ok)
+            sum_weights = None if self.sum_weights is None else self.sum_weights[active.cpu()]
+            return ConflictReport.from_gram(gram, weights, names, sum_weights)
 
-    def harmonize(self) -> None:
-        """Make ``.grad`` final: with ``accumulation="window"``, solve on the window's summed
-        gradients; under data parallelism without DDP, average ``.grad`` over the ranks; then
-        the step's finiteness decision on every gradient. ``step`` calls it; call it yourself
-        before clipping or unscaling gradients."""
-        window = self._window
-        if window.final:
-            return
-        window.final = True
-        if window.buffers is not None:
-            grads, losses = window.buffers, window.buffered_losses
-            window.buffers = window.buffered_losses = None
-            self._harmonize(grads, losses, torch.ones(len(self.objectives), dtype=torch.bool))
-        if window.skipped:
-            return
-        if window.local:
-            self._layout.finish(self._trainable())
-        self._finite_gradients()
+    def _remember(self, weights: Weights, report: ConflictReport, active: Tensor) -> None:
+        """Keep a harmonization's weights, over all K objectives: for the window's other
+        micro-batches as they are, for the amortized steps in the EMA cache; count it."""
+        expanded = _expand(weights, active)
+        self.amortizer.update(expanded)
+        self.meter.update(report)
+        self._window.weights = expanded.loss_weights
+        self._layout.expect(harmonizing=False)  # the window's other micro-batches are ordinary
 
-    def _finite_gradients(self) -> None:
-        """The step's one decision on its gradient: every ``.grad`` (the shared loss's and every
-        micro-batch's included) finite on every rank, or the policy acts. The sum of all entries
-        is finite exactly when they are, but for a sum that overflows: only then are the
-        entries themselves looked at."""
-        grads = [(i, local_tensor(p.grad)) for i, p in enumerate(self._trainable()) if p.grad is not None]
-        bad = []
-        if grads:
-            device = grads[0][1].device
-            if not math.isfinite(float(torch.stack([g.sum().to(device) for _, g in grads]).sum())):
-                bad = [i for i, g in grads if not bool(torch.isfinite(g).all())]
-        if self._layout.all_ranks(not bad):  # every rank takes part, with gradients or without
-            return
-        where = [f"parameter {i}" for i in bad] if bad else ["another rank's parameters"]
-        self._nonfinite(torch.zeros(len(where), dtype=torch.bool), where, "gradient in")
-        self._skip()
+    def _trainable(self) -> list[Tensor]:
+        return [p for group in self.optimizer.param_groups for p in group["params"] if p.requires_grad]
 
-    def _nonfinite(
-        self, finite: Tensor, names: Sequence[str], what: str, values: Tensor | None = None
-    ) -> Tensor | None:
-        """The one non-finite policy, for losses, per-objective gradients and the step's gradient:
-        the mask of ``finite`` entries (one per name, the same on every rank) to keep, or None
-        when the step is skipped. ``"raise"`` raises ``FloatingPointError`` naming the bad ones,
-        after rolling the window back (``step`` then does not update); ``"drop"`` keeps the
-        finite ones, and skips when none is left."""
-        if bool(finite.all()):
-            return finite
-        bad = [name for name, ok in zip(names, finite.tolist(), strict=True) if not ok]
-        if self.nonfinite == "raise":
-            self._skip(mark_gradients=False)
-            shown = "" if values is None else f": {values.tolist()}"
-            raise FloatingPointError(
-                f"non-finite {what} {bad}{shown}. Pass nonfinite='skip' or "
-                "'drop' to HarmonizedOptimizer to continue past such steps."
-            )
-        if self.nonfinite == "skip" or not bool(finite.any()):
-            return None
-        return finite
-
-    def _skip(self, mark_gradients: bool = True) -> None:
-        """Skip this step: mogo's state goes back to what it was when the window opened, later
-        micro-batches do nothing, ``step`` does not update, and ``.grad`` is NaN, where a
-        GradScaler finds the overflow and lowers its scale as it does for any optimizer."""
-        window = self._window
-        window.skipped, window.weights, window.buffers, window.buffered_losses = True, None, None, None
-        window.restore(self)
-        if mark_gradients:
-            for p in self._trainable():
-                p.grad = torch.full_like(p, float("nan"))
-
-    def _release_reducer(self, losses: Tensor) -> None:
-        """Run the backward a DDP reducer waits for, contributing nothing, on a skipped step."""
-        if self._layout.reducer_waits():
-            (losses.sum() * 0).backward()
-
-    def step(self, closure: Callable[[], Tensor] | None = None) -> Tensor | None:
-        """Update the parameters with the wrapped optimizer, unless a non-finite step is skipped.
-
-        ``closure``, if given, returns the K losses of a fresh forward pass; ``step`` then zeroes
-        the gradients and calls ``backward`` on them itself, and returns the losses.
-        """
-        losses = None
-        if closure is not None:
-            with torch.enable_grad():
-                self.zero_grad()
-                losses = closure()
-                self.backward(losses)
-        self.harmonize()
-        if not self._window.skipped:
-            self.optimizer.step()
-            self.amortizer.step += 1
-        self._begin_window()
-        return losses
-
-    def _begin_window(self) -> None:
-        """Open the window of the next optimizer step: remember mogo's state (a skipped step
-        returns to it) and tell the layout whether the window's first forward harmonizes."""
-        self._window = _Window(self)
-        self._layout.expect(harmonizing=self.amortizer.due)
-
-    def zero_grad(self, set_to_none: bool = True) -> None:
-        """Zero the gradients and open a new window (its first ``backward`` may harmonize)."""
-        self.optimizer.zero_grad(set_to_none=set_to_none)
-        self._begin_window()
+    @property
+    def _layout(self) -> _Layout:
+        return _ONE_PROCESS if self.distributed is None else self.distributed
 
     # ---- checkpoints ---------------------------------------------------------------------------
 
     def state_dict(self) -> dict[str, Any]:
-        """``{"inner": wrapped optimizer's state_dict, "mogo": schedule, weights, statistics}``."""
+        """``{"inner": wrapped optimizer's state_dict, "mogo": schedule, weights, statistics}``
+        (the format: ``mogo.optim_state``)."""
         for hook in self._optimizer_state_dict_pre_hooks.values():
             hook(self)
-        state = {
-            "inner": self.optimizer.state_dict(),
-            "mogo": {
-                "objectives": list(self.objectives),
-                "amortizer": self.amortizer.state_dict(),
-                "grad_mode": self.grad_mode,
-                "meter": dict(vars(self.meter)),
-            },
-        }
-        if _stateful(self.weighting):  # e.g. PCGrad's generator
-            state["mogo"]["weighting"] = self.weighting.state_dict()
+        state = {"inner": self.optimizer.state_dict(), "mogo": self._own_state()}
         for hook in self._optimizer_state_dict_post_hooks.values():
             result = hook(self, state)
             if result is not None:
@@ -492,67 +417,42 @@ class HarmonizedOptimizer(torch.optim.Optimizer):
             result = hook(self, state_dict)
             if result is not None:
                 state_dict = result
-        if not isinstance(state_dict, dict) or set(state_dict) != {"inner", "mogo"}:
-            keys = sorted(state_dict) if isinstance(state_dict, dict) else type(state_dict).__name__
-            raise ValueError(
-                f"not a HarmonizedOptimizer state_dict: expected keys ['inner', 'mogo'], got {keys}"
-            )
-        problems = self._state_problems(state_dict)
-        if problems:
-            raise ValueError(f"invalid HarmonizedOptimizer state_dict: {'; '.join(problems)}")
-        mine = state_dict["mogo"]
-        amortizer = AmortizedWeights()
-        amortizer.load_state_dict(mine["amortizer"])
+        check_state_dict(state_dict, self.objectives, self.weighting)
         self.optimizer.load_state_dict(state_dict["inner"])  # checks the parameter groups first
-        self.amortizer, self.grad_mode, self.meter = (
-            amortizer,
-            mine["grad_mode"],
-            ConflictMeter(**mine["meter"]),
-        )
-        if _stateful(self.weighting):
-            self.weighting.load_state_dict(mine["weighting"])
-        self._begin_window()
+        self._load_own_state(state_dict["mogo"])
+        self._open_window()
         for hook in self._optimizer_load_state_dict_post_hooks.values():
             hook(self)
 
-    def _state_problems(self, state_dict: dict[str, Any]) -> list[str]:
-        """Every bad field of a state_dict with keys ``inner`` and ``mogo``, as ``"field: problem"``."""
-        inner, mine = state_dict["inner"], state_dict["mogo"]
-        problems = []
-        if not isinstance(inner, dict) or not {"state", "param_groups"} <= set(inner):
-            got = sorted(map(str, inner)) if isinstance(inner, dict) else type(inner).__name__
-            problems.append(f"inner: not an optimizer state_dict (keys 'state', 'param_groups'), got {got}")
-        if not isinstance(mine, dict):
-            return [*problems, f"mogo: must be a dict, got {type(mine).__name__}"]
-        fields = (
-            "objectives",
-            "amortizer",
-            "grad_mode",
-            "meter",
-            *(("weighting",) if _stateful(self.weighting) else ()),
-        )
-        problems += [f"mogo.{field}: missing" for field in fields if field not in mine]
-        problems += [f"mogo.{field}: unexpected" for field in sorted(map(str, set(mine) - set(fields)))]
-        objectives = mine.get("objectives", list(self.objectives))
-        if not isinstance(objectives, list | tuple) or tuple(objectives) != self.objectives:
-            problems.append(
-                f"mogo.objectives: state_dict is for objectives {objectives!r}, "
-                f"this optimizer has {list(self.objectives)}"
-            )
-        if mine.get("grad_mode", "auto") not in ("auto", "batched", "sequential"):
-            problems.append(
-                f"mogo.grad_mode: must be 'auto', 'batched' or 'sequential', got {mine['grad_mode']!r}"
-            )
-        if "amortizer" in mine:
-            amortizer = AmortizedWeights.state_problems(mine["amortizer"], len(self.objectives))
-            problems += [f"mogo.amortizer.{problem}" for problem in amortizer]
-        if "meter" in mine:
-            problems += [f"mogo.meter.{problem}" for problem in ConflictMeter.state_problems(mine["meter"])]
-        if _stateful(self.weighting) and "weighting" in mine:
-            problems += [
-                f"mogo.weighting.{problem}" for problem in self.weighting.state_problems(mine["weighting"])
-            ]
-        return problems
+    def _snapshot(self) -> _Snapshot:
+        """What a skipped step returns to (the guard takes it as each window opens)."""
+        return self._own_state(), self.last_report
+
+    def _restore(self, snapshot: _Snapshot) -> None:
+        own, self.last_report = snapshot
+        self._load_own_state(own)
+
+    def _own_state(self) -> dict[str, Any]:
+        """mogo's part of :meth:`state_dict`: each component's own ``state_dict``."""
+        state = {
+            "objectives": list(self.objectives),
+            "amortizer": self.amortizer.state_dict(),
+            "grad_mode": self.grad_mode,
+            "meter": self.meter.state_dict(),
+        }
+        if has_state(self.weighting):  # e.g. PCGrad's generator
+            state["weighting"] = self.weighting.state_dict()
+        return state
+
+    def _load_own_state(self, state: dict[str, Any]) -> None:
+        """Load mogo's part of a state checked by :func:`~mogo.optim_state.check_state_dict`,
+        through each component's ``load_state_dict`` (the amortizer's tensors are replaced,
+        never changed in place, so a snapshot of them stays as it was)."""
+        self.amortizer.load_state_dict(state["amortizer"])
+        self.meter.load_state_dict(state["meter"])
+        self.grad_mode = state["grad_mode"]  # an "auto" fallback is found again on the next harmonization
+        if has_state(self.weighting):
+            self.weighting.load_state_dict(state["weighting"])
 
     def __getstate__(self) -> dict[str, Any]:
         """Everything but the distributed layout (its process group and module stay behind) and
@@ -568,6 +468,19 @@ class HarmonizedOptimizer(torch.optim.Optimizer):
             f"weighting={self.weighting!r}, harmonize_every={self.amortizer.harmonize_every}, "
             f"alpha_ema={self.amortizer.alpha_ema})"
         )
+
+
+def _check_losses(losses: Any, shared: Any, objectives: tuple[str, ...]) -> None:
+    """``ValueError`` or ``TypeError`` unless ``losses`` is a ``(K,)`` tensor and ``shared`` a
+    scalar tensor or None."""
+    K = len(objectives)
+    if not isinstance(losses, Tensor) or losses.shape != (K,):
+        shape = tuple(losses.shape) if isinstance(losses, Tensor) else type(losses).__name__
+        raise ValueError(f"losses must be a tensor of shape ({K},) for objectives {objectives}, got {shape}")
+    if shared is not None and not isinstance(shared, Tensor):
+        raise TypeError(f"shared must be a scalar tensor (a loss) or None, got {type(shared).__name__}")
+    if shared is not None and shared.numel() != 1:
+        raise ValueError(f"shared must be a scalar tensor (a loss), got shape {tuple(shared.shape)}")
 
 
 def _objective_names(objectives: Any) -> tuple[str, ...]:
@@ -596,12 +509,6 @@ def _sum_weights(sum_weights: Sequence[float], K: int) -> Tensor:
         raise ValueError(f"sum_weights: {error}") from None
 
 
-def _stateful(weighting: Weighting) -> bool:
-    """Whether a weighting has state of its own to checkpoint (``state_dict``, ``load_state_dict``
-    and a ``state_problems`` check, as :class:`mogo.PCGrad`'s generator)."""
-    return all(hasattr(weighting, name) for name in ("state_dict", "load_state_dict", "state_problems"))
-
-
 def _zero_weights(gram: Tensor) -> Weights:
     """Weights 0 for ``A`` objectives (``gram``: ``(A, A)``) whose gradients are all zero."""
     A = gram.shape[0]
@@ -609,51 +516,51 @@ def _zero_weights(gram: Tensor) -> Weights:
     return Weights(zeros, torch.ones_like(zeros), zeros.new_zeros(()))
 
 
-class _Window:
-    """What the micro-batches of one optimizer step share, from ``zero_grad`` (or the last
-    ``step``) to ``step``; it begins with a copy of mogo's state, for a skipped step to return to."""
-
-    def __init__(self, optimizer: HarmonizedOptimizer) -> None:
-        self._saved = (
-            copy.copy(vars(optimizer.amortizer)),
-            copy.copy(vars(optimizer.meter)),
-            optimizer.last_report,
-            optimizer.grad_mode,
-            optimizer.weighting.state_dict() if _stateful(optimizer.weighting) else None,
-        )
-        self.weights: Tensor | None = None  # (K,) loss weights solved on this window's first micro-batch
-        self.skipped = False  # a non-finite value skipped the step
-        self.local = False  # an ordinary backward left rank-local gradients, for the layout to finish
-        self.final = False  # harmonize() made .grad final
-        self.buffers: list[Tensor | None] | None = None  # summed K gradients (accumulation="window")
-        self.buffered_losses: Tensor | None = None
-
-    def restore(self, optimizer: HarmonizedOptimizer) -> None:
-        """Put mogo's state back as it was when the window opened: the amortizer's schedule and
-        cache (its tensors are replaced, never changed in place), the meter, ``last_report`` and
-        ``grad_mode`` (an ``"auto"`` fallback is found again, on the next harmonization)."""
-        amortizer, meter, optimizer.last_report, optimizer.grad_mode, weighting = self._saved
-        vars(optimizer.amortizer).clear()
-        vars(optimizer.amortizer).update(amortizer)
-        vars(optimizer.meter).update(meter)
-        if weighting is not None:
-            optimizer.weighting.load_state_dict(weighting)
-
-
-_ONE_PROCESS = _Layout()
-
-
-# torch's own test of a running profiler (private; where it is missing, every range is recorded)
-_profiler_enabled = getattr(torch._C._autograd, "_profiler_enabled", lambda: True)
-
-
-def _region(name: str) -> AbstractContextManager:
-    """A named range in ``torch.profiler`` traces while a profiler runs (``mogo.gramian``, ...);
-    otherwise nothing, since a ``record_function`` costs about 10 us."""
-    return record_function(name) if _profiler_enabled() else nullcontext()
-
-
 def _combine(weights: Tensor, stacked: Tensor) -> Tensor:
     """``sum_k w_k g_k`` of one parameter's ``[K, *p.shape]`` gradients, as one matrix-vector product."""
     flat = stacked.reshape(stacked.shape[0], -1)
     return (weights.to(device=flat.device, dtype=flat.dtype) @ flat).reshape(stacked.shape[1:])
+
+
+def _expand(weights: Weights, active: Tensor) -> Weights:
+    """Weights over the active objectives, scattered to all K of the ``(K,)`` mask ``active``
+    (alpha 0, divisor 1 elsewhere)."""
+    alpha = weights.alpha.new_zeros(active.shape[0])
+    divisor = weights.divisor.new_ones(active.shape[0])
+    mask = active.to(alpha.device)
+    alpha[mask], divisor[mask] = weights.alpha, weights.divisor
+    return Weights(alpha, divisor, weights.scale, weights.solve)
+
+
+class _Window:
+    """What the micro-batches of one optimizer step share, from ``zero_grad`` (or the last
+    ``step``) to ``step``."""
+
+    def __init__(self) -> None:
+        self.weights: Tensor | None = None  # (K,) loss weights solved on this window's first micro-batch
+        self.local = False  # an ordinary backward left rank-local gradients, for the layout to finish
+        self.final = False  # harmonize() made .grad final
+        self._sums: list[Tensor | None] | None = None  # summed K gradients (accumulation="window")
+        self._losses: Tensor | None = None
+
+    def accumulate(self, grads: list[Tensor | None], losses: Tensor) -> None:
+        """Add a micro-batch's K gradients (one ``[K, *p.shape]`` or None per parameter) and
+        losses ``(K,)`` to the window's sums (``accumulation="window"``)."""
+        if self._sums is None:
+            self._sums, self._losses = grads, losses.clone()
+            return
+        self._sums = [
+            g if s is None else s if g is None else s + g for s, g in zip(self._sums, grads, strict=True)
+        ]
+        self._losses = self._losses + losses
+
+    def take_sums(self) -> tuple[list[Tensor | None], Tensor] | None:
+        """The summed gradients and losses, handed over once (their memory goes with them), or
+        None when nothing was accumulated."""
+        if self._sums is None:
+            return None
+        sums, self._sums, self._losses = (self._sums, self._losses), None, None
+        return sums
+
+
+_ONE_PROCESS = _Layout()

@@ -31,7 +31,6 @@ from __future__ import annotations
 
 import argparse
 import dataclasses
-import difflib
 import math
 import os
 import re
@@ -386,8 +385,9 @@ def _join(path: str, key: Any) -> str:
 
 
 def _closest(word: Any, choices: Sequence[str]) -> str:
-    close = difflib.get_close_matches(str(word), list(choices), n=1)
-    return f" (did you mean {close[0]!r}?)" if close else ""
+    from mogo.registry import closest  # here, not above: parsing a config imports no torch (mogo does)
+
+    return closest(word, choices)
 
 
 def _build(cls: type, data: Any, path: str) -> Any:

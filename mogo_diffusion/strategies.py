@@ -31,7 +31,6 @@ weights, a different baseline, which this name does not reach.
 
 from __future__ import annotations
 
-import difflib
 from collections.abc import Hashable, Sequence
 from typing import Any
 
@@ -39,6 +38,7 @@ import torch
 from torch import Tensor
 
 import mogo
+from mogo.registry import closest
 from mogo_diffusion.advantages import per_reward_advantages, weighted_sum_advantages, zscore_rewards
 from mogo_diffusion.config import (
     Config,
@@ -223,8 +223,7 @@ def make_strategy(config: Config, world: int = 1) -> Strategy:
         if name not in mogo.WEIGHTINGS:
             own = [record().name for record in _CLASSES if record is not HarmonizedConfig]
             known = [*own, *sorted(n for n in mogo.WEIGHTINGS if n not in own)]
-            close = difflib.get_close_matches(name, known, n=1)
-            hint = f" (did you mean {close[0]!r}?)" if close else ""
+            hint = closest(name, known)
             raise ConfigError(
                 f"strategy.name: unknown strategy {name!r}{hint}; strategies: {', '.join(own)}, or a "
                 f"weighting of mogo.WEIGHTINGS: {', '.join(known[len(own) :])}"

@@ -28,7 +28,6 @@ from __future__ import annotations
 
 import argparse
 import copy
-import difflib
 import inspect
 import json
 import time
@@ -45,6 +44,7 @@ from accelerate.utils import LoggerType, broadcast_object_list
 from tqdm.auto import tqdm
 
 from mogo._extras import MissingExtraError, require
+from mogo.registry import closest
 from mogo_diffusion import models, run_dir
 from mogo_diffusion.advantages import nan_mean
 from mogo_diffusion.checkpoint import (
@@ -157,8 +157,7 @@ def _check_rewards(config: Config) -> None:
         if not any(p.kind is inspect.Parameter.VAR_KEYWORD for p in parameters.values()):
             for option in spec.options:
                 if option not in parameters:
-                    close = difflib.get_close_matches(option, list(parameters), n=1)
-                    hint = f" (did you mean {close[0]!r}?)" if close else ""
+                    hint = closest(option, parameters)
                     raise ConfigError(
                         f"{where}.options.{option}: {spec.name!r} has no such option{hint}; "
                         f"it accepts {', '.join(parameters) or 'none'}"

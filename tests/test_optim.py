@@ -9,6 +9,7 @@ import pytest
 import torch
 from hypothesis import given
 from hypothesis import strategies as st
+from torch.optim.optimizer import register_optimizer_step_post_hook, register_optimizer_step_pre_hook
 
 import mogo
 from mogo.testing import assert_min_norm_optimal
@@ -383,6 +384,67 @@ def test_lr_scheduler_clipping_and_hooks_work_through_the_wrapper():
         scheduler.step()
     assert opt.optimizer.param_groups[0]["lr"] == pytest.approx(1e-2 / 8)
     assert calls == ["pre", "post"] * 3
+
+
+def test_every_optimizer_hook_and_the_step_range_work_through_the_wrapper():
+    """torch's hooks, global ones included, and the ``Optimizer.step#...`` profiler range, from
+    the public ``profile_hook_step`` on ``step``; the state-dict hooks may replace the state."""
+    model, opt = adam_factory(harmonize_every=1)()
+    calls = []
+    handles = [
+        register_optimizer_step_pre_hook(lambda *_: calls.append("global pre")),
+        register_optimizer_step_post_hook(lambda *_: calls.append("global post")),
+        opt.register_step_pre_hook(lambda *_: calls.append("pre")),
+        opt.register_step_post_hook(lambda *_: calls.append("post")),
+        opt.register_state_dict_pre_hook(lambda *_: calls.append("state pre")),
+        opt.register_state_dict_post_hook(lambda _, state: {**state, "note": 1}),
+        opt.register_load_state_dict_pre_hook(
+            lambda _, state: {k: v for k, v in state.items() if k != "note"}
+        ),
+        opt.register_load_state_dict_post_hook(lambda *_: calls.append("load post")),
+    ]
+    try:
+        with torch.profiler.profile(activities=[torch.profiler.ProfilerActivity.CPU]) as profile:
+            opt.zero_grad()
+            opt.backward(regression_losses(model, 0))
+            opt.step()
+        state = opt.state_dict()
+        assert state["note"] == 1
+        opt.load_state_dict(state)  # the pre hook takes the note off again
+    finally:
+        for handle in handles:
+            handle.remove()
+    inner = ["global pre", "global post"]  # the wrapped optimizer's own step, inside ours
+    assert calls == ["global pre", "pre", *inner, "post", "global post", "state pre", "load post"]
+    keys = {event.key for event in profile.key_averages()}
+    assert "Optimizer.step#HarmonizedOptimizer.step" in keys
+    assert {"mogo.objective_grads", "mogo.gramian", "mogo.weighting", "mogo.combine", "mogo.report"} <= keys
+
+
+def test_the_policy_can_change_between_steps_and_an_unknown_one_is_refused():
+    model, opt = adam_factory(harmonize_every=1)()
+    opt.nonfinite = "skip"
+    assert opt.nonfinite == "skip"
+    params = copy.deepcopy(model.state_dict())
+    opt.zero_grad()
+    opt.backward(regression_losses(model, 0) * float("nan"))
+    opt.step()
+    assert same(copy.deepcopy(model.state_dict()), params)
+    with pytest.raises(ValueError, match="nonfinite must be 'raise', 'skip' or 'drop', got 'ignore'"):
+        opt.nonfinite = "ignore"
+    assert opt.nonfinite == "skip"
+
+
+def test_the_meter_round_trips_and_refuses_a_bad_state_before_changing():
+    meter = mogo.ConflictMeter(
+        steps=4, conflicts=1, worst_weighted_sum_cosine=-0.5, worst_harmonized_cosine=0.25
+    )
+    copied = mogo.ConflictMeter()
+    copied.load_state_dict(meter.state_dict())
+    assert copied == meter
+    with pytest.raises(ValueError, match=r"conflicts: 9 is more than the 4 steps"):
+        copied.load_state_dict({**meter.state_dict(), "conflicts": 9})
+    assert copied == meter
 
 
 def test_pickle_round_trip():

@@ -30,7 +30,6 @@ PaddleOCR's PP-OCRv4 models (its recognition model is the Chinese-English one, w
 
 from __future__ import annotations
 
-import difflib
 import math
 import threading
 from collections.abc import Mapping, Sequence
@@ -43,6 +42,7 @@ from PIL import Image
 from torch import Tensor
 
 from mogo._extras import require
+from mogo.registry import closest
 from mogo_diffusion.rewards.base import check_batch, to_uint8
 from mogo_diffusion.rewards.registry import register_reward
 
@@ -146,8 +146,7 @@ class OcrReward:
         known = _rapidocr_options()
         for option in self.options:
             if option not in known:
-                close = difflib.get_close_matches(str(option), known, n=1)
-                hint = f" (did you mean {close[0]!r}?)" if close else ""
+                hint = closest(option, known)
                 raise ValueError(
                     f"options: RapidOCR has no option {option!r}{hint}; it has {', '.join(sorted(known))}"
                 )

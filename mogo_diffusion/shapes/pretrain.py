@@ -285,7 +285,8 @@ def train_transformer(
         schedule.step()
         decay = min(ema, (1 + step) / (10 + step))
         with torch.no_grad():
-            torch._foreach_lerp_(average, [p.detach() for p in params], 1 - decay)
+            for a, p in zip(average, params, strict=True):
+                a.lerp_(p.detach(), 1 - decay)
         losses.append(loss.item())
         progress.set_postfix(loss=f"{sum(losses[-50:]) / len(losses[-50:]):.4f}", refresh=False)
     with torch.no_grad():

@@ -37,7 +37,7 @@ def flat(B=1, size=16, value=0.5):
 
 @pytest.fixture
 def scratch_registry(monkeypatch):
-    monkeypatch.setattr(registry, "_REGISTRY", dict(registry._REGISTRY))
+    monkeypatch.setattr(registry, "REWARDS", registry.REWARDS.copy())
 
 
 def test_registry_knows_the_rules():
