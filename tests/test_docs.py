@@ -56,6 +56,9 @@ DIFFUSION_MODULES = (
     "strategies",
     "streams",
     "bootstrap",
+    "analysis",
+    "tables",
+    "figures",
     "study",
     "preflight",
 )
