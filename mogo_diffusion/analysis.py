@@ -84,11 +84,11 @@ def summarize(
         reference: the arm every difference is paired against.
 
     Returns:
-        ``{"rewards", "seeds", "base", "arms"}``, each arm ``{"means": {reward: [per seed]},
-        "composite": [per seed], "vs_reference": {reward or "composite": [mean, low, high]},
-        "vs_base": {...}}``; the composite of a run is ``mean_k (m_k - mu_k) / sigma_k`` with
-        ``mu_k, sigma_k`` the mean and std over the arms' seed-averaged means and the
-        pretrained model's.
+        ``{"rewards", "seeds", "base", "arms"}``; each arm holds its ``means`` (per reward, per
+        seed), its ``composite`` (per seed) and its ``vs_reference`` and ``vs_base`` intervals
+        (per reward and for the composite, each ``[mean, low, high]``). The composite of a run is
+        ``mean_k (m_k - mu_k) / sigma_k`` with ``mu_k, sigma_k`` the mean and std over the arms'
+        seed-averaged means and the pretrained model's.
 
     Raises:
         KeyError: ``reference`` is not an arm, or an arm lacks one of its seeds.

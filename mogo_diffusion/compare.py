@@ -7,7 +7,7 @@ front it traces:
 .. code-block:: bash
 
     python -m mogo_diffusion.compare --config my_run.yaml --arms weighted_sum,marble --front \\
-        --specialists --seeds 3 --epochs 40 --out runs/my_compare
+        --specialists all --seeds 3 --epochs 40 --out runs/my_compare
 
 The base config (``--config``, any config ``python -m mogo_diffusion.train`` takes, ``--set``
 overrides on top; default: the shapes world on all its rewards, :func:`default_base`) is what
@@ -17,7 +17,7 @@ file, ``--arm-file``, mapping names to partial configs):
 .. code-block:: text
 
     base                   the pretrained model (evaluated, not trained)
-    single:<reward>        the specialist of one reward (--specialists: one per reward)
+    single:<reward>        the specialist of one reward (--specialists all: one per reward)
     weighted_sum           one advantage of sum_k w_k R_k, the base config's weights
     weighted_sum@w1,..,wK  the same at the weights w (--front: the K + 1 weight vectors
                            (1, .., 1) and each reward's weight doubled, the weighted-sum front)
@@ -990,9 +990,10 @@ def choose_arms(
     front: bool = False,
     definitions: Mapping[str, Mapping[str, Any]] | None = None,
 ) -> list[str]:
-    """The arms of a command line, in order, each once: the ``--specialists`` (:func:`_specialists`),
-    then ``--arms`` (``all``: :func:`arms`), then with ``front`` the weighted-sum front
-    (:func:`front_arms`) but for a point whose config is already an arm's (that arm is the point).
+    """The arms of a command line, in order, each once: the specialists of ``specialists`` (rewards
+    of ``base``, comma-separated, or ``all``), the arms of ``arms_text`` (comma-separated, or
+    ``all``: :func:`arms`), then with ``front`` the weighted-sum front (:func:`front_arms`) but
+    for a point whose config is already an arm's (that arm is the point).
 
     Raises:
         ValueError: an unknown or invalid arm, or an unknown specialist."""

@@ -23,10 +23,10 @@ from collections.abc import Mapping, Sequence
 from pathlib import Path
 from typing import TYPE_CHECKING, Any
 
+from matplotlib.figure import Figure  # the class only: no backend is chosen by importing it
+
 if TYPE_CHECKING:
     from types import ModuleType
-
-    from matplotlib.figure import Figure
 
 __all__ = [
     "CURVE_AXES",
