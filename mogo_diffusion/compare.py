@@ -128,19 +128,18 @@ __all__ = [
 
 # ---- the arms -------------------------------------------------------------------------------------
 
+_AMORTIZED = {"harmonize_every": 10, "alpha_ema": 0.9}
+"""The paper's amortization: alpha re-solved every 10 steps, its EMA (0.9) reused in between."""
+
 ARMS: dict[str, dict[str, Any]] = {
     "weighted_sum": {"strategy": {"name": "weighted_sum", "reward_scale": "raw"}},
     "weighted_sum_z": {"strategy": {"name": "weighted_sum", "reward_scale": "zscore"}},
     "marble": {"strategy": {"name": "marble"}},
     "marble_n1": {"strategy": {"name": "marble", "harmonize_every": 1, "alpha_ema": 0.0}},
-    "marble_n10": {
-        "strategy": {"name": "marble", "harmonize_every": 10, "alpha_ema": 0.9, "estimate": "first"}
-    },
-    "marble_n10_window": {
-        "strategy": {"name": "marble", "harmonize_every": 10, "alpha_ema": 0.9, "estimate": "window"}
-    },
+    "marble_n10": {"strategy": {"name": "marble", **_AMORTIZED, "estimate": "first"}},
+    "marble_n10_window": {"strategy": {"name": "marble", **_AMORTIZED, "estimate": "window"}},
     "marble_n10_neutral": {
-        "strategy": {"name": "marble", "harmonize_every": 10, "alpha_ema": 0.9, "estimate": "first"},
+        "strategy": {"name": "marble", **_AMORTIZED, "estimate": "first"},
         "nft": {"nonapplicable": "neutral"},
     },
     "marble_n10_noema": {"strategy": {"name": "marble", "harmonize_every": 10, "alpha_ema": 0.0}},
@@ -256,7 +255,7 @@ def arm_overrides(
             "strategy": {"name": "sequential", "stages": [{"reward": n, "epochs": length} for n in names]}
         }
     if _weighting_arm(arm):
-        return {"strategy": {"name": arm.removesuffix("_n10"), "harmonize_every": 10, "alpha_ema": 0.9}}
+        return {"strategy": {"name": arm.removesuffix("_n10"), **_AMORTIZED}}
     raise ValueError(
         f"unknown arm {arm!r}; arms: base, {', '.join(arms(names))}, {', '.join(ABLATIONS)}, "
         "weighted_sum@w1,...,wK, <weighting>_n10 for a weighting of mogo.WEIGHTINGS "
@@ -307,7 +306,7 @@ def arm_config(
     Raises:
         ValueError: an unknown arm or reward, or an arm that makes an invalid config (names both).
     """
-    data = (base or default_base(quick)).to_dict()
+    data = (default_base(quick) if base is None else base).to_dict()
     if rewards is not None:
         known = [spec["name"] for spec in data["rewards"]]
         if unknown := sorted(set(rewards) - set(known)):
@@ -336,15 +335,14 @@ def run_directory(out: Path, arm: str, seed: int, group: str | None = None) -> P
 
 
 def plan(
-    arms: Sequence[str], seeds: Sequence[int], out: Path, **options: Any
+    arms: Sequence[str], seeds: Sequence[int], out: Path, *, group: str | None = None, **options: Any
 ) -> dict[tuple[str, int], Config]:
     """Every run of ``arms`` x ``seeds``, ``(arm, seed) -> config``, in :func:`run_directory`
-    (``options``: ``group``, and the options of :func:`arm_config`).
+    (``options``: those of :func:`arm_config`).
 
     Raises:
         ValueError: an arm is unknown or invalid, or two arms are the same run (names them).
     """
-    group = options.pop("group", None)
     runs = {
         (arm, seed): arm_config(arm, seed, run_directory(out, arm, seed, group), **options)
         for arm in arms
@@ -355,7 +353,6 @@ def plan(
         other = first.setdefault(run_dir.fingerprint(config), arm)
         if other != arm:
             raise ValueError(f"arms {other!r} and {arm!r} are the same run (the same config): leave one out")
-    return runs
     return runs
 
 
@@ -380,26 +377,35 @@ class Decision(NamedTuple):
 
 
 class _Stored(NamedTuple):
-    """A finished-or-not run as stored: in its directory, or compact in the packed file."""
+    """A run as stored: in its directory, or compact in the packed file (its metrics and final
+    evaluation read when asked for; ``weights``: the directory whose checkpoints can be resumed or
+    evaluated, None for a compact run)."""
 
     where: str
     record: dict | None
     marker: dict | None
     metrics: Callable[[], list[dict]]
-    final: dict | None
-    weights: Path | None  # the run directory, where checkpoints can be resumed or evaluated
+    final: Callable[[], dict | None]
+    weights: Path | None
 
 
 def _from_directory(run: Path) -> _Stored:
     record, marker = run_dir.read_record(run), run_dir.read_marker(run)
     return _Stored(
-        str(run), record, marker, lambda: run_dir.read_metrics(run), _read_result(run / FINAL_EVAL), run
+        str(run),
+        record,
+        marker,
+        lambda: run_dir.read_metrics(run),
+        lambda: _read_result(run / FINAL_EVAL),
+        run,
     )
 
 
 def _from_packed(run: Path, entry: Mapping[str, Any]) -> _Stored:
     where = f"{run} (compact, in {RUNS_FILE})"
-    return _Stored(where, entry["record"], entry["marker"], lambda: entry["metrics"], entry["final"], None)
+    return _Stored(
+        where, entry["record"], entry["marker"], lambda: entry["metrics"], lambda: entry["final"], None
+    )
 
 
 def decide(config: Config, final: str | None = None, packed: Mapping[str, Any] | None = None) -> Decision:
@@ -471,8 +477,8 @@ def _final_evaluation(stored: _Stored, config: Config, final: str) -> Decision:
         "prompts_sha256": prompts_digest(load_prompt_set(final)),
         "eval_num_steps": config.sampling.eval_num_steps,
     }
-    if stored.final is not None:
-        differences = run_dir.config_differences({key: stored.final.get(key) for key in expected}, expected)
+    if (result := stored.final()) is not None:
+        differences = run_dir.config_differences({key: result.get(key) for key in expected}, expected)
         if not differences:
             return Decision("reuse", "finished and evaluated finally")
         raise RunDirError(
@@ -511,7 +517,7 @@ def _legacy(stored: _Stored, config: Config, final: str | None) -> Decision:
     except (FileNotFoundError, RunDirError) as error:
         return Decision("refuse", f"{unchecked}, and it is unfinished or damaged ({error}); move it away")
     if final is not None:
-        result = stored.final or {}
+        result = stored.final() or {}
         wanted = (len(load_prompt_set(final).prompts), config.sampling.eval_num_steps)
         if (result.get("num_prompts"), result.get("eval_num_steps")) != wanted:
             return Decision("refuse", f"{unchecked}, and it has no final evaluation of {final}; move it away")

@@ -37,6 +37,7 @@ from torch import Tensor
 from mogo_diffusion.prompts import PromptSet
 from mogo_diffusion.rewards import to_uint8
 from mogo_diffusion.run_dir import read_metrics
+from mogo_diffusion.tables import markdown_table
 
 if TYPE_CHECKING:
     from mogo_diffusion.train import Trainer
@@ -444,13 +445,14 @@ def results_table(results: Sequence[Mapping[str, Any]]) -> tuple[str, dict[str, 
     def cell(value: float | None) -> str:
         return "-" if value is None else f"{value:.4g}"
 
-    lines = [f"| run | {' | '.join(columns)} | composite |", "|---|" + "---:|" * (len(columns) + 1)]
-    for name, row in table.items():
-        cells = [cell(row.get(m)) for m in columns] + [cell(composite[name])]
-        lines.append(f"| {name} | {' | '.join(cells)} |")
+    rows = [["run", *columns, "composite"]]
+    rows += [
+        [name, *(cell(row.get(m)) for m in columns), cell(composite[name])] for name, row in table.items()
+    ]
     left_out = [m for m in columns if m not in common]
     note = f" ({', '.join(left_out)} left out: not every run has it)" if left_out else ""
-    lines += ["", f"composite: mean z-score over {', '.join(common)} across the {len(names)} runs{note}."]
+    lines = [markdown_table(rows, numeric=True), ""]
+    lines.append(f"composite: mean z-score over {', '.join(common)} across the {len(names)} runs{note}.")
     summary = {"metrics": table, "composite_metrics": common, "zscores": zscores, "composite": composite}
     return "\n".join(lines), summary
 

@@ -35,10 +35,12 @@ Table = tuple[str, list[list[str]]]
 """A caption and the rows of cells (the header row first)."""
 
 
-def markdown_table(rows: Sequence[Sequence[str]]) -> str:
-    """``rows`` (header first) as a markdown table, without a trailing newline."""
+def markdown_table(rows: Sequence[Sequence[str]], *, numeric: bool = False) -> str:
+    """``rows`` (header first) as a markdown table, without a trailing newline; ``numeric``: every
+    column but the first right-aligned."""
     header, *body = rows
-    lines = ["| " + " | ".join(header) + " |", "|---" * len(header) + "|"]
+    rule = "|---|" + ("---:|" if numeric else "---|") * (len(header) - 1)
+    lines = ["| " + " | ".join(header) + " |", rule]
     return "\n".join(lines + ["| " + " | ".join(row) + " |" for row in body])
 
 
