@@ -230,6 +230,28 @@ def test_a_finished_comparison_is_reused_and_remade_from_its_compact_runs(quick,
     assert (out / "results.md").read_text() == tables["results.md"]
 
 
+def test_a_final_evaluation_judges_each_run_and_the_pretrained_model_on_its_prompts(quick, tmp_path):
+    argv, out = copy_out(quick, tmp_path)
+    results = compare.main([*argv, "--seed", "1", "--final", "shapes:heldout:4"])  # trained: evaluated only
+    assert results["seeds"] == [1]
+    for arm in ("weighted_sum", "marble"):
+        final = json.loads((compare.run_directory(out, arm, 1) / compare.FINAL_EVAL).read_text())
+        assert final["num_prompts"] == 4
+        assert [results["arms"][arm]["means"][name][0] for name in results["rewards"]] == [
+            final["metrics"][name] for name in results["rewards"]
+        ]
+    base = json.loads((out / "runs" / "base" / "final_eval.json").read_text())
+    assert base["evaluation"]["num_prompts"] == 4
+    assert results["base"] == [base["means"][f"eval/{name}"] for name in results["rewards"]]
+    assert (
+        "Held-out means: each run's last weights and the pretrained model on shapes:heldout:4"
+        in (out / "results.md").read_text()
+    )
+    packed = run_dir.read_packed(out / compare.RUNS_FILE)
+    assert packed["marble/seed1"]["final"]["metrics"] == final["metrics"]
+    assert packed["marble/seed0"]["final"] is None  # not asked for a final evaluation
+
+
 def test_a_compact_run_of_another_config_or_without_a_record_is_refused(quick, tmp_path, capsys):
     argv, out = copy_out(quick, tmp_path)
     for group in ("weighted_sum", "marble"):
