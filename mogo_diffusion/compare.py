@@ -1103,8 +1103,8 @@ def _write_results(
     figures.save(figures.front(judged), out / "front.png")
     keys = {
         "composite": "composite",
-        "mean_gain": "mean normalised gain",
-        "worst_gain": "worst normalised gain",
+        "mean_gain": "mean gain",
+        "worst_gain": "worst gain",
     }
     panels = {
         title: {arm: row[key]["vs_reference"] for arm, row in judged["arms"].items()}
