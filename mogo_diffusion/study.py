@@ -1,7 +1,8 @@
 """The shapes-world study that can decide MARBLE's claims: ``python -m mogo_diffusion.study``.
 
-Every arm of :mod:`mogo_diffusion.compare` is trained with the same budget and seeds on two reward
-sets, frozen before any run:
+The study is :mod:`mogo_diffusion.compare` configured for the shapes world (its plan, runs,
+statistics, tables and figures are compare's): every arm is trained with the same budget and
+seeds on two reward sets, frozen before any run:
 
 .. code-block:: text
 
@@ -13,10 +14,12 @@ The specialists (``single:<reward>``) are trained once, with every reward evalua
 both sets; the multi-reward arms (:data:`ARMS`) and the ablations (:data:`~mogo_diffusion.compare.ABLATIONS`,
 on ``prompt_following``) are trained for each set. Runs live in ``OUT/runs/<set or
 specialists>/<arm>/seed<s>``; a finished run of the same config is never rerun and an unfinished
-one is resumed, so the study can be stopped and continued (:func:`compare.run_all
-<mogo_diffusion.compare.run_all>`, which refuses the runs of another config, never deleting them).
-``--no-train`` reads the runs of the seeds that have finished, runs made before run records
-(``run.json``) included, as they are.
+one is resumed, so the study can be stopped and continued (:func:`compare.gather
+<mogo_diffusion.compare.gather>`, which refuses the runs of another config, never deleting them).
+``--no-train`` reads the runs of the seeds that have finished, from their directories or their
+compact form in ``OUT/runs.json.xz``, runs made before run records (``run.json``) included, as
+they are; ``--last-evaluation`` judges each run by its last evaluation during training, as the
+first study did.
 
 A run is judged by its final evaluation: its last weights on
 :data:`~mogo_diffusion.shapes.recipe.FINAL_EVAL` (each training caption 32 times from its own
@@ -40,9 +43,11 @@ T is the claim's threshold below (0, 1/2 for (c), 0.97 for (e)), with its number
     of median epoch times, paired by seed, above 0.97.
 
 ``OUT`` gets ``results.json``, ``results.md`` and ``results.rst`` (the same tables, for the
-docs), ``composite.png`` (the composite differences with their intervals) and ``curves.png`` (each
-reward's held-out mean for its specialist, and for the weighted sum and MARBLE on the widest reward
-set, against epochs and against minutes of training).
+docs), ``judged.md`` and ``.rst`` (each set judged as :func:`~mogo_diffusion.analysis.judge`
+judges, the weighted sum its own front), ``composite.png`` (the composite differences with their
+intervals), ``front.png`` (every arm's gains on the widest set) and ``curves.png`` (each reward's
+held-out mean for its specialist, and for the weighted sum and MARBLE on the widest reward set,
+against the images trained on and the CPU minutes of training), and ``runs.json.xz``.
 """
 
 from __future__ import annotations
