@@ -915,9 +915,7 @@ def add_run_arguments(parser: argparse.ArgumentParser, *, out: str, seeds: int) 
     ``--seeds`` (``seeds``), ``--epochs``, ``--jobs``, ``--specialists``, ``--quick`` and ``--no-train``."""
     parser.add_argument("--out", type=Path, default=Path(out), help="output directory")
     parser.add_argument("--seeds", type=int, default=seeds, help="seeds 0..N-1 per arm")
-    parser.add_argument(
-        "--epochs", type=int, default=None, help="epochs per run (default: the base config's)"
-    )
+    parser.add_argument("--epochs", type=int, default=None, help="epochs per run (none: the base config's)")
     parser.add_argument("--jobs", type=int, default=2, help="runs at once, one thread each")
     parser.add_argument(
         "--specialists",
@@ -947,9 +945,7 @@ def _parser() -> argparse.ArgumentParser:
         description=__doc__.splitlines()[0],
         formatter_class=argparse.ArgumentDefaultsHelpFormatter,
     )
-    parser.add_argument(
-        "--config", type=Path, default=None, help="the base config (default: the shapes world)"
-    )
+    parser.add_argument("--config", type=Path, default=None, help="the base config (none: the shapes world)")
     parser.add_argument("--set", dest="overrides", action="append", default=[], metavar="KEY=VALUE",
                         help="override a field of the base config (repeatable)")  # fmt: skip
     parser.add_argument("--arms", default="all", help="comma-separated arms, or all")
@@ -962,7 +958,7 @@ def _parser() -> argparse.ArgumentParser:
         "--reference", default="weighted_sum", help="the arm every difference is paired against"
     )
     parser.add_argument(
-        "--curves", default=None, help="comma-separated arms of curves.png (default: all but the front)"
+        "--curves", default=None, help="comma-separated arms of curves.png (none: all but the front)"
     )
     parser.add_argument("--seed", type=int, default=None, help="run this one seed only (overrides --seeds)")
     parser.add_argument(
