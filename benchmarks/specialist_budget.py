@@ -26,9 +26,11 @@ root of the images trained on, whatever the split into steps; the table's last c
 (the bar asks for 3).
 
     python benchmarks/specialist_budget.py --out docs/_generated/specialist_budget --jobs 2
+    python benchmarks/specialist_budget.py --out docs/_generated/specialist_budget --no-train
 
-Finished runs are not rerun; the runs are ``OUT/runs/<variant>/<reward>/seed<s>``, the table
-``OUT/results.md`` (``.rst``) and ``OUT/results.json``.
+Finished runs are not rerun (:func:`mogo_diffusion.compare.gather`); the runs are
+``OUT/runs/<variant>/<reward>/seed<s>``, kept compact in ``OUT/runs.json.xz``, from which
+``--no-train`` remakes the table ``OUT/results.md`` (``.rst``) and ``OUT/results.json``.
 """
 
 from __future__ import annotations
@@ -42,9 +44,10 @@ from typing import Any
 
 from mogo_diffusion import compare
 from mogo_diffusion.config import Config
+from mogo_diffusion.run_dir import RunDirError
 from mogo_diffusion.shapes.recipe import FINAL_EVAL, POOL
 from mogo_diffusion.study import specialist_gains
-from mogo_diffusion.tables import markdown_table, rst_table
+from mogo_diffusion.tables import documents
 
 STUDY_60: dict[str, Any] = {
     "sampling": {"prompts_per_epoch": 8}, "nft": {"kl_coef": 0.0}, "train": {"batch_size": 64},
@@ -111,17 +114,22 @@ def plan(out: Path, seeds: range) -> dict[tuple[str, str, int], Config]:
     return runs
 
 
-def table(runs: Mapping[tuple[str, str, int], Config], base: Mapping[str, float]) -> list[dict[str, Any]]:
-    """One row per variant and reward: each seed's final mean and the study's bar."""
+def table(
+    runs: Mapping[tuple[str, str, int], Config],
+    results: Mapping[tuple[str, str, int], compare.RunResults],
+    base: Mapping[str, float],
+) -> list[dict[str, Any]]:
+    """One row per variant and reward: each seed's final mean (``results``, the finished runs of
+    ``runs``) and the study's bar."""
     rows = []
     for variant, spec in VARIANTS.items():
         for reward in spec["rewards"]:
-            configs = [c for (v, r, _), c in runs.items() if (v, r) == (variant, reward)]
-            values = [compare.final_means(Path(c.train.out_dir))[f"eval/{reward}"] for c in configs]
+            keys = [key for key in results if key[:2] == (variant, reward)]
+            values = [results[key].held_out([reward])[0] for key in keys]
             summary = {"rewards": [reward], "base": [base[f"eval/{reward}"]],
                        "arms": {f"single:{reward}": {"means": {reward: values}}}}  # fmt: skip
             gain = specialist_gains(summary)[reward]
-            first = configs[0]
+            first = runs[keys[0]]
             images = first.train.epochs * first.sampling.prompts_per_epoch * first.sampling.group_size
             ratio = gain["gain"] / gain["std"] if gain["std"] > 0 else math.inf
             rows.append({"variant": variant, "reward": reward, "images": images, "seeds": values,
@@ -140,13 +148,9 @@ def cells(row: Mapping[str, Any]) -> list[str]:
             "yes" if row["clears"] else "no", f"{row['ratio']:.1f}"]  # fmt: skip
 
 
-def markdown(rows: list[dict[str, Any]]) -> str:
-    return markdown_table([HEADER, *map(cells, rows)]) + "\n"
-
-
-def rst(rows: list[dict[str, Any]]) -> str:
-    """The table as an RST list-table (the docs include it)."""
-    return rst_table([HEADER, *map(cells, rows)]) + "\n"
+def markdown_and_rst(rows: list[dict[str, Any]]) -> tuple[str, str]:
+    """The table as markdown and as an RST list-table (the docs include it)."""
+    return documents(None, [], {None: [("", [list(HEADER), *map(cells, rows)])]})
 
 
 def main(argv: list[str] | None = None) -> list[dict[str, Any]]:
@@ -154,19 +158,25 @@ def main(argv: list[str] | None = None) -> list[dict[str, Any]]:
     parser.add_argument("--out", type=Path, default=Path("runs/specialist_budget"), help="output directory")
     parser.add_argument("--seeds", type=int, default=5, help="seeds 0..N-1 per variant (at least 2)")
     parser.add_argument("--jobs", type=int, default=2, help="runs at once, one thread each")
+    parser.add_argument(
+        "--no-train", action="store_true", help="train nothing: the seeds whose runs have all finished"
+    )
     args = parser.parse_args(argv)
     if args.seeds < 2:
         parser.error("--seeds must be at least 2: the bar needs a seed std")
     runs = plan(args.out, range(args.seeds))
-    compare.run_all(runs, args.out / "runs" / "base" / "eval.json", jobs=args.jobs, final=str(FINAL_EVAL))
-    base = compare.evaluate_base(
-        next(iter(runs.values())), args.out / "runs" / "base" / "final_eval.json", prompts=str(FINAL_EVAL)
-    )
-    rows = table(runs, base)
+    try:
+        gathered = compare.gather(
+            runs, args.out, final=str(FINAL_EVAL), jobs=args.jobs, train=not args.no_train
+        )
+    except RunDirError as error:
+        parser.error(str(error))
+    rows = table(runs, gathered.results, gathered.judged_base)
+    markdown, rst = markdown_and_rst(rows)
     (args.out / "results.json").write_text(json.dumps(rows, indent=1) + "\n")
-    (args.out / "results.md").write_text(markdown(rows))
-    (args.out / "results.rst").write_text(rst(rows))
-    print(markdown(rows))
+    (args.out / "results.md").write_text(markdown)
+    (args.out / "results.rst").write_text(rst)
+    print(markdown)
     return rows
 
 

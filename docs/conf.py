@@ -13,7 +13,7 @@ nitpicky = True
 # No network at build time, hence no intersphinx: references into other projects stay plain text.
 nitpick_ignore_regex = [
     (r"py:.*", r"(torch|dist|np|numpy|collections\.abc|os|pathlib|argparse|contextlib)\..*"),
-    (r"py:.*", r"(diffusers|transformers|accelerate|peft|PIL)\..*"),
+    (r"py:.*", r"(diffusers|transformers|accelerate|peft|PIL|matplotlib)\..*"),
     (r"py:class", r"(Tensor|Method|Normalization|GradMode|NonFinitePolicy|Accelerator)"),
     (r"py:class", r"mogo_diffusion\.rewards\.registry\.F"),  # a TypeVar
 ]

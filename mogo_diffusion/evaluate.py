@@ -37,6 +37,7 @@ from torch import Tensor
 from mogo_diffusion.prompts import PromptSet
 from mogo_diffusion.rewards import to_uint8
 from mogo_diffusion.run_dir import read_metrics
+from mogo_diffusion.tables import markdown_table
 
 if TYPE_CHECKING:
     from mogo_diffusion.train import Trainer
@@ -107,33 +108,13 @@ def composite_zscores(
 
 
 def plot_run(run_dir: str | os.PathLike[str], out: str | os.PathLike[str] | None = None) -> Path:
-    """Plot a run's per-reward curves, alpha and conflict rate; returns the PNG (default
+    """Plot a run's per-reward curves, alpha and conflict rate
+    (:func:`mogo_diffusion.figures.run_curves` of its metrics); returns the PNG (default
     ``run_dir/curves.png``)."""
-    import matplotlib
+    from mogo_diffusion import figures
 
-    matplotlib.use("Agg")
-    import matplotlib.pyplot as plt
-
-    records = read_metrics(run_dir)
-    panels = [("reward/", "training reward (mean of the epoch's samples)"), ("eval/", "held-out reward")]
-    panels += [("alpha/", "alpha (MARBLE weights)"), ("conflict_rate", "conflict rate of the weighted sum")]
-    present = [(key, title) for key, title in panels if any(k.startswith(key) for r in records for k in r)]
-    figure, axes = plt.subplots(1, len(present), figsize=(4.2 * len(present), 3.4), squeeze=False)
-    for axis, (key, title) in zip(axes[0], present, strict=True):
-        series = sorted({k for r in records for k in r if k.startswith(key)})
-        for name in series:
-            points = [(r["epoch"], r[name]) for r in records if name in r and r[name] is not None]
-            if points:
-                axis.plot(*zip(*points, strict=True), label=name.removeprefix(key) or name, marker=".")
-        axis.set_title(title, fontsize=9)
-        axis.set_xlabel("epoch")
-        if len(series) > 1:
-            axis.legend(fontsize=7)
-    figure.tight_layout()
     path = Path(out) if out is not None else Path(run_dir) / "curves.png"
-    figure.savefig(path, dpi=110)
-    plt.close(figure)
-    return path
+    return figures.save(figures.run_curves(read_metrics(run_dir)), path, dpi=110)
 
 
 def save_grid(images: Tensor, path: str | os.PathLike[str], columns: int = 8, scale: int = 2) -> Path:
@@ -464,13 +445,14 @@ def results_table(results: Sequence[Mapping[str, Any]]) -> tuple[str, dict[str, 
     def cell(value: float | None) -> str:
         return "-" if value is None else f"{value:.4g}"
 
-    lines = [f"| run | {' | '.join(columns)} | composite |", "|---|" + "---:|" * (len(columns) + 1)]
-    for name, row in table.items():
-        cells = [cell(row.get(m)) for m in columns] + [cell(composite[name])]
-        lines.append(f"| {name} | {' | '.join(cells)} |")
+    rows = [["run", *columns, "composite"]]
+    rows += [
+        [name, *(cell(row.get(m)) for m in columns), cell(composite[name])] for name, row in table.items()
+    ]
     left_out = [m for m in columns if m not in common]
     note = f" ({', '.join(left_out)} left out: not every run has it)" if left_out else ""
-    lines += ["", f"composite: mean z-score over {', '.join(common)} across the {len(names)} runs{note}."]
+    lines = [markdown_table(rows, numeric=True), ""]
+    lines.append(f"composite: mean z-score over {', '.join(common)} across the {len(names)} runs{note}.")
     summary = {"metrics": table, "composite_metrics": common, "zscores": zscores, "composite": composite}
     return "\n".join(lines), summary
 

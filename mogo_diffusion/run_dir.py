@@ -19,6 +19,12 @@ Beside ``config.yaml``, ``checkpoints/``, ``samples.png`` and ``curves.png``, a 
   final checkpoint and the figures: the fingerprint, the epochs trained, and the final
   checkpoint's name and digest. A run without it is unfinished, however far its metrics go.
 
+A finished run also has a compact form (:func:`compact`): its record, its marker, the fields of
+its metrics that comparisons read (:data:`KEPT_METRICS`) and its final evaluation's means, a few
+kilobytes where the directory holds megabytes of checkpoints. :func:`write_packed` writes the
+compact runs of a comparison into one xz-compressed JSON file (``runs.json.xz``), which
+:func:`read_packed` reads back: what a comparison commits instead of its run directories.
+
 Paths to files shipped in the ``mogo_diffusion`` package are recorded relative to it
 (``mogo_diffusion/shapes/pipeline``; :func:`portable`), so a run directory means the same in every
 checkout; any other path is compared as written.
@@ -37,6 +43,7 @@ from __future__ import annotations
 
 import hashlib
 import json
+import lzma
 import os
 import shutil
 import warnings
@@ -55,26 +62,32 @@ except ImportError:  # Windows
 
 __all__ = [
     "FINISHED",
+    "KEPT_METRICS",
     "LOCK",
     "METRICS",
+    "PACKED_FORMAT",
     "RECORD",
     "RESUME_MAY_CHANGE",
     "RunDirError",
     "append_metrics",
     "claim",
     "claimed_by",
+    "compact",
     "config_differences",
     "defining_differences",
     "fingerprint",
+    "finishes",
     "holds_run",
     "is_finished",
     "mark_finished",
     "portable",
     "read_marker",
     "read_metrics",
+    "read_packed",
     "read_record",
     "start",
     "write_json",
+    "write_packed",
 ]
 
 RECORD = "run.json"
@@ -268,18 +281,23 @@ def read_marker(directory: str | os.PathLike[str]) -> dict[str, Any] | None:
     return _read_json(Path(directory) / FINISHED, "finished marker", fields)
 
 
+def finishes(marker: Mapping[str, Any] | None, config: Config) -> bool:
+    """Whether the finished ``marker`` (:func:`read_marker`; None: unfinished) is that of the run of
+    ``config`` (its fingerprint) after ``config.train.epochs`` epochs."""
+    return (
+        marker is not None
+        and marker["fingerprint"] == fingerprint(config)
+        and marker["epochs"] == config.train.epochs
+    )
+
+
 def is_finished(directory: str | os.PathLike[str], config: Config) -> bool:
     """Whether ``directory`` holds the run of ``config`` (its fingerprint) finished after
     ``config.train.epochs`` epochs.
 
     Raises:
         RunDirError: the marker is damaged."""
-    marker = read_marker(directory)
-    return (
-        marker is not None
-        and marker["fingerprint"] == fingerprint(config)
-        and marker["epochs"] == config.train.epochs
-    )
+    return finishes(read_marker(directory), config)
 
 
 def mark_finished(directory: str | os.PathLike[str], config: Config, epochs: int, checkpoint: Path) -> None:
@@ -420,3 +438,79 @@ def _keep_metrics_before(directory: Path, epoch: int) -> None:
     partial = path.with_name(f"{path.name}.partial")
     partial.write_text("".join(json.dumps(record) + "\n" for record in kept))
     os.replace(partial, path)
+
+
+# ---- the compact form ------------------------------------------------------------------------------
+
+KEPT_METRICS: tuple[str, ...] = (
+    "epoch", "seconds", "images_per_second", "conflict_rate", "worst_cosine_weighted_sum",
+    "worst_cosine_marble", "eval/", "alpha/",
+)  # fmt: skip
+"""The metrics a compact run keeps of each epoch (a name ending in ``/``: every metric it starts):
+what comparisons read, held-out means for the curves, times for the throughput, weights and
+conflict statistics; the training rewards, losses and diagnostics stay in the run directory."""
+
+PACKED_FORMAT = "mogo-runs/1"
+"""The format tag of a packed file (:func:`write_packed`)."""
+
+
+def _kept(name: str) -> bool:
+    return any(name.startswith(kept) if kept.endswith("/") else name == kept for kept in KEPT_METRICS)
+
+
+def compact(directory: str | os.PathLike[str], final: Mapping[str, Any] | None = None) -> dict[str, Any]:
+    """The compact form of the run in ``directory``: ``{"record", "marker"}`` (None for a run
+    written before records, or unfinished), ``"metrics"`` (:func:`read_metrics`, each record cut
+    to :data:`KEPT_METRICS`) and ``"final"``, the run's final evaluation ``final`` (an
+    :func:`~mogo_diffusion.evaluate.evaluate_run` result) cut to what is needed to judge and check
+    it: its means, the digests of its checkpoint and prompts, and its numbers of prompts and steps.
+
+    Raises:
+        FileNotFoundError: the run has no metrics.
+        RunDirError: its record, marker or metrics are damaged.
+    """
+    kept = ("metrics", "checkpoint_sha256", "prompts_sha256", "num_prompts", "eval_num_steps")
+    return {
+        "record": read_record(directory),
+        "marker": read_marker(directory),
+        "metrics": [{k: v for k, v in record.items() if _kept(k)} for record in read_metrics(directory)],
+        "final": None if final is None else {key: final.get(key) for key in kept},
+    }
+
+
+def write_packed(path: str | os.PathLike[str], runs: Mapping[str, Mapping[str, Any]]) -> None:
+    """Write the compact ``runs`` (a name, the run's directory relative to the comparison's
+    ``runs/``, to its :func:`compact` form) to ``path`` as xz-compressed JSON, atomically; the
+    same runs give the same bytes."""
+    path = Path(path)
+    text = json.dumps({"format": PACKED_FORMAT, "runs": dict(runs)}, sort_keys=True, separators=(",", ":"))
+    partial = path.with_name(f"{path.name}.partial")
+    partial.write_bytes(lzma.compress(text.encode(), preset=9 | lzma.PRESET_EXTREME))
+    os.replace(partial, path)
+
+
+def read_packed(path: str | os.PathLike[str]) -> dict[str, dict[str, Any]]:
+    """The compact runs of the packed file ``path`` (:func:`write_packed`), by name; empty when
+    there is no such file.
+
+    Raises:
+        RunDirError: the file is damaged or not a packed file (names it).
+    """
+    path = Path(path)
+    if not path.is_file():
+        return {}
+    try:
+        value = json.loads(lzma.decompress(path.read_bytes()))
+    except (lzma.LZMAError, ValueError, UnicodeDecodeError) as error:
+        raise RunDirError(f"{str(path)!r}, a packed file of runs, is damaged: {error}") from None
+    if (
+        not isinstance(value, dict)
+        or value.get("format") != PACKED_FORMAT
+        or not isinstance(value.get("runs"), dict)
+    ):
+        raise RunDirError(f"{str(path)!r} is not a packed file of runs of format {PACKED_FORMAT}")
+    runs, fields = value["runs"], ("record", "marker", "metrics", "final")
+    for name, run in runs.items():
+        if not isinstance(run, dict) or (missing := [f for f in fields if f not in run]):
+            raise RunDirError(f"{str(path)!r}: the run {name!r} is not a compact run (it lacks {missing})")
+    return runs

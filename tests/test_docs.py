@@ -57,6 +57,9 @@ DIFFUSION_MODULES = (
     "strategies",
     "streams",
     "bootstrap",
+    "analysis",
+    "tables",
+    "figures",
     "study",
     "preflight",
 )

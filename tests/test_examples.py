@@ -159,12 +159,13 @@ def test_specialist_budget_changes_only_its_variants_fields_and_judges_by_the_st
     assert {json.loads(line)["tag"] for line in prompts} == {"counting"}
 
     step = {"shapes_shape": 0.1, "shapes_count": 0.02}  # seeds 0 and 1: shape 0.40/0.50, count 0.30/0.32
-    for (_, reward, seed), config in runs.items():
-        value = {"shapes_shape": 0.40, "shapes_count": 0.30}[reward] + seed * step[reward]
-        run = Path(config.train.out_dir)
-        run.mkdir(parents=True)
-        (run / compare.FINAL_EVAL).write_text(json.dumps({"metrics": {reward: value}}))
-    rows = benchmark.table(runs, {"eval/shapes_shape": 0.38, "eval/shapes_count": 0.14})
+    results = {
+        (variant, reward, seed): compare.RunResults(
+            [], {f"eval/{reward}": {"shapes_shape": 0.40, "shapes_count": 0.30}[reward] + seed * step[reward]}
+        )
+        for variant, reward, seed in runs
+    }
+    rows = benchmark.table(runs, results, {"eval/shapes_shape": 0.38, "eval/shapes_count": 0.14})
     shape = next(r for r in rows if r["variant"] == "epochs_120" and r["reward"] == "shapes_shape")
     assert shape["images"] == 120 * 64
     assert shape["gain"] == pytest.approx(0.45 - 0.38)
@@ -174,5 +175,6 @@ def test_specialist_budget_changes_only_its_variants_fields_and_judges_by_the_st
     assert count["bar"] == pytest.approx(0.06)  # the floor: 3 x 0.02
     assert count["clears"]
     assert count["ratio"] == pytest.approx(0.17 / (0.02 / 2**0.5))
-    assert "| batch_128 | shapes_count | 7680 |" in benchmark.markdown(rows)
-    assert "   * - batch_128\n     - shapes_count\n     - 7680\n" in benchmark.rst(rows)
+    markdown, rst = benchmark.markdown_and_rst(rows)
+    assert "| batch_128 | shapes_count | 7680 |" in markdown
+    assert "   * - batch_128\n     - shapes_count\n     - 7680\n" in rst

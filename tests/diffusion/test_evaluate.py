@@ -17,7 +17,7 @@ from hypothesis import given
 from hypothesis import strategies as st
 from PIL import Image
 
-from mogo_diffusion import models
+from mogo_diffusion import figures, models
 from mogo_diffusion.config import Config
 from mogo_diffusion.evaluate import (
     composite_zscores,
@@ -78,9 +78,20 @@ def test_plot_run_draws_every_kind_of_curve(tmp_path):
     ]  # fmt: skip
     (tmp_path / "metrics.jsonl").write_text("".join(json.dumps(r) + "\n" for r in records))
     assert read_metrics(tmp_path) == records
-    path = plot_run(tmp_path)
-    with Image.open(path) as image:
-        assert image.width > 4 * image.height / 2  # four panels side by side
+    panels = figures.run_curves(records).axes
+    assert [axis.get_title().split(" ")[0] for axis in panels] == [
+        "training",
+        "held-out",
+        "alpha",
+        "conflict",
+    ]
+    curves = {(axis.get_title().split(" ")[0], line.get_label()): line.get_ydata() for axis in panels
+              for line in axis.get_lines()}  # fmt: skip
+    assert list(curves["training", "color"]) == [0.1 * e for e in range(4)]
+    assert list(curves["alpha", "shape"]) == [0.7] * 4
+    assert plot_run(tmp_path) == tmp_path / "curves.png"
+    with Image.open(tmp_path / "curves.png") as image:
+        assert image.size == (4 * 462, 374)  # four panels of 4.2 x 3.4 inches at 110 dots per inch
     with pytest.raises(FileNotFoundError, match="metrics"):
         read_metrics(tmp_path / "missing")
 

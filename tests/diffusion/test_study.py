@@ -2,14 +2,14 @@
 
 from __future__ import annotations
 
-import json
+import importlib.util
 import shutil
 import statistics
 from pathlib import Path
 
 import pytest
 
-from mogo_diffusion import compare, study
+from mogo_diffusion import compare, run_dir, study
 
 NAMES = ("r1", "r2")
 SEEDS = range(5)
@@ -87,21 +87,6 @@ def test_what_marble_loses_is_not_reproduced_and_noise_is_undecided():
     assert verdict == "undecided (CI spans 0.97)"
 
 
-def test_a_learning_curve_starts_at_the_pretrained_model_and_sums_the_training_seconds():
-    records = [
-        {"epoch": 0, "seconds": 30.0},
-        {"epoch": 1, "seconds": 42.0, "eval/r1": 0.7},
-        {"epoch": 2, "seconds": 18.0},
-        {"epoch": 3, "seconds": 30.0, "eval/r1": 0.9},
-    ]
-    assert study._curve(records, "eval/r1", 0.5) == [
-        {"epoch": 0, "minutes": 0.0, "value": 0.5},
-        {"epoch": 2, "minutes": 1.2, "value": 0.7},
-        {"epoch": 4, "minutes": 2.0, "value": 0.9},
-    ]
-    assert study._curve(records, "eval/r2", 0.5) == []  # a reward this run never evaluated
-
-
 def test_the_plan_shares_specialists_between_the_sets_and_runs_ablations_on_the_first(tmp_path):
     runs = study.plan(tmp_path, arms=("weighted_sum", "marble_n10"), seeds=range(2))
     groups = {(group, arm) for group, arm, _ in runs}
@@ -122,50 +107,6 @@ def test_the_plan_shares_specialists_between_the_sets_and_runs_ablations_on_the_
         study.plan(tmp_path, specialists=["sharpness"])
 
 
-def test_the_quick_study_runs_resumes_and_writes_its_results(tmp_path):
-    argv = ["--quick", "--out", str(tmp_path), "--seeds", "2", "--sets", "prompt_following", "--no-ablations",
-            "--arms", "weighted_sum,marble_n10", "--specialists", "shapes_color"]  # fmt: skip
-    results = study.main(argv)
-    summary = results["sets"]["prompt_following"]
-    assert list(summary["arms"]) == ["single:shapes_color", "weighted_sum", "marble_n10"]
-    assert set(summary["claims"]) == {"a", "b", "c", "e"}  # (d) needs every reward's specialist
-    undecided = {f"undecided (CI spans {threshold})" for threshold in ("0", "0.5", "0.97")}
-    assert all(claim["verdict"] in {"reproduced", "not reproduced", *undecided}
-               for claim in summary["claims"].values())  # fmt: skip
-    assert json.loads((tmp_path / "results.json").read_text())["sets"].keys() == {"prompt_following"}
-    assert "| (a) |" in (tmp_path / "results.md").read_text()
-    assert ".. list-table:: The paper's claims." in (tmp_path / "results.rst").read_text()
-    assert (tmp_path / "composite.png").stat().st_size > 10_000
-    assert (tmp_path / "curves.png").stat().st_size > 10_000
-    run = tmp_path / "runs" / "prompt_following" / "marble_n10" / "seed1"
-    final = json.loads((run / compare.FINAL_EVAL).read_text())
-    assert final["num_prompts"] == 24  # judged on the final evaluation's prompts, not the 16 of training's
-    mean, *_ = summary["arms"]["marble_n10"]["vs_base"]["shapes_color"]
-    base_color = summary["base"][summary["rewards"].index("shapes_color")]
-    assert statistics.fmean(summary["arms"]["marble_n10"]["means"]["shapes_color"]) == pytest.approx(
-        base_color + mean
-    )
-    assert final["metrics"]["shapes_color"] in summary["arms"]["marble_n10"]["means"]["shapes_color"]
-    kept = (run / "run.json", run / "finished.json", run / "metrics.jsonl", run / compare.FINAL_EVAL)
-    written = [path.stat().st_mtime_ns for path in kept]
-    for path in run.iterdir():  # a run kept as its record, marker, metrics and final evaluation
-        if path not in kept:
-            shutil.rmtree(path) if path.is_dir() else path.unlink()
-    seed0 = run.parent / "seed0"  # finished with its checkpoint, but not evaluated finally
-    (seed0 / compare.FINAL_EVAL).unlink()
-    trained = (seed0 / "metrics.jsonl").stat().st_mtime_ns
-    study.main(argv)
-    assert [path.stat().st_mtime_ns for path in kept] == written  # finished runs are not rerun
-    assert json.loads((seed0 / compare.FINAL_EVAL).read_text())["num_prompts"] == 24  # evaluated again,
-    assert (seed0 / "metrics.jsonl").stat().st_mtime_ns == trained  # not trained again
-    # A study in progress: with a third seed planned, --no-train reports the two finished ones.
-    partial = study.main([*argv[:4], "3", *argv[5:], "--no-train"])
-    assert partial["sets"]["prompt_following"]["seeds"] == [0, 1]
-    assert not (run.parent / "seed2").exists()
-    with pytest.raises(SystemExit):
-        study.main([*argv[:2], str(tmp_path / "empty"), *argv[3:], "--no-train"])
-
-
 def test_bad_arguments_are_named(tmp_path):
     with pytest.raises(SystemExit):
         study.main(["--out", str(tmp_path), "--sets", "colours"])
@@ -175,20 +116,64 @@ def test_bad_arguments_are_named(tmp_path):
         study.main(["--out", str(tmp_path), "--seeds", "1"])
 
 
-def test_no_train_remakes_the_committed_study_and_only_it_reads_runs_without_records(tmp_path, monkeypatch):
-    """The committed study keeps its runs as their metrics and final evaluation, written before
-    runs had a record (run.json): --no-train reads them as they are, its tables byte for byte the
-    committed ones; a study that would train refuses them (their config cannot be checked), and
-    writes nothing."""
-    committed = Path(__file__).resolve().parents[2] / "docs" / "_generated" / "study_120x128"
-    out = Path("docs") / "_generated" / "study_120x128"  # the committed command, run in a copy
-    shutil.copytree(committed, tmp_path / out)
+ROOT = Path(__file__).resolve().parents[2]
+PUBLISHED = {  # each committed study, the program that made it and the options its docs give, but --out
+    "study_120x128": ("mogo_diffusion/study.py", ["--no-train"]),
+    "study": ("mogo_diffusion/study.py", ["--epochs", "60", "--no-train"]),
+    "study_world1": ("mogo_diffusion/study.py", ["--epochs", "30", "--last-evaluation", "--no-train"]),
+    "specialist_budget": ("benchmarks/specialist_budget.py", ["--no-train"]),
+}
+
+
+def not_committed(directory: str, names: list[str]) -> set[str]:
+    """The names in ``directory`` a copy of a study leaves out: its figures (the command remakes
+    them) and its run directories, which are not committed (``docs/_generated/.gitignore``), but
+    for the pretrained model's cached evaluations."""
+    return {
+        name for name in names if name.endswith(".png") or (Path(directory).name == "runs" and name != "base")
+    }
+
+
+def remake(name: str, tmp_path: Path, monkeypatch) -> Path:
+    """Run the documented command of the committed study ``name`` from the root of a copy of what
+    is committed of it (its compact runs, not their directories); returns the copy."""
+    out = Path("docs") / "_generated" / name
+    shutil.copytree(ROOT / out, tmp_path / out, ignore=not_committed)
     monkeypatch.chdir(tmp_path)
-    study.main(["--out", str(out), "--no-train"])
-    for name in ("results.md", "results.rst"):
-        assert (out / name).read_text() == (committed / name).read_text(), name
-    before = {path: path.read_bytes() for path in out.rglob("*") if path.is_file()}
+    program, options = PUBLISHED[name]
+    if program == "mogo_diffusion/study.py":
+        study.main(["--out", str(out), *options])
+    else:
+        spec = importlib.util.spec_from_file_location("specialist_budget", ROOT / program)
+        module = importlib.util.module_from_spec(spec)
+        spec.loader.exec_module(module)
+        module.main(["--out", str(out), *options])
+    return tmp_path / out
+
+
+@pytest.mark.parametrize("name", PUBLISHED)
+def test_no_train_remakes_each_published_table_byte_for_byte_from_the_compact_runs(
+    name, tmp_path, monkeypatch
+):
+    """What is committed of a study is its tables, figures, the pretrained model's cached evaluations
+    and its runs in compact form (runs.json.xz); its documented --no-train command remakes every
+    published table from them, byte for byte."""
+    copy = remake(name, tmp_path, monkeypatch)
+    for table in ("results.md", "results.rst"):
+        assert (copy / table).read_text() == (ROOT / "docs" / "_generated" / name / table).read_text(), table
+    assert (copy / "results.json").is_file()
+
+
+def test_the_committed_runs_have_no_record_and_only_no_train_reads_them(tmp_path, monkeypatch):
+    """The committed studies' runs were made before runs had a record (run.json): --no-train reads
+    them as they are; a study that would train refuses them (their config cannot be checked), and
+    writes nothing."""
+    copy = remake("study_120x128", tmp_path, monkeypatch)
+    packed = run_dir.read_packed(copy / compare.RUNS_FILE)
+    assert len(packed) == 105
+    assert all(run["record"] is None and run["final"]["num_prompts"] == 1024 for run in packed.values())
+    before = {path: path.read_bytes() for path in copy.rglob("*") if path.is_file()}
     with pytest.raises(SystemExit) as exit_:
-        study.main(["--out", str(out)])
+        study.main(["--out", str(copy.relative_to(tmp_path))])
     assert exit_.value.code == 2
-    assert {path: path.read_bytes() for path in out.rglob("*") if path.is_file()} == before
+    assert {path: path.read_bytes() for path in copy.rglob("*") if path.is_file()} == before
