@@ -4,6 +4,7 @@ from mogo import registry
 from mogo.aligned_mtl import AlignedMTL
 from mogo.amortize import AmortizedWeights
 from mogo.cagrad import CAGrad
+from mogo.cross_fit import cross_fitted_gram
 from mogo.diagnostics import ConflictMeter, ConflictReport
 from mogo.distributed import DataParallel, ShardedParameters, sharded_gramian
 from mogo.dual_cone import DualConeResult, project_dual_cone
@@ -54,6 +55,7 @@ __all__ = [
     "Weighting",
     "Weights",
     "check_gram",
+    "cross_fitted_gram",
     "gramian",
     "make_weighting",
     "min_norm",

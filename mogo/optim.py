@@ -14,12 +14,14 @@ A harmonizing ``backward(losses)`` runs five stages, each a method defined below
 
 1. finite? ``StepGuard.losses``: the losses and ``shared`` finite on every rank, or the
    non-finite policy acts (``mogo.nonfinite``);
-2. ``_objective_grads``: the per-objective gradients, reduced across ranks by the layout;
+2. ``_objective_grads``: the gradient rows, one per objective (two, one per half of the batch,
+   with ``gram="cross_fitted"``), reduced across ranks by the layout;
 3. ``_gram``: their Gram matrix over the harmonized parameters (a gradient that is not finite
    goes to the policy: ``StepGuard.gradients``);
-4. ``_weigh``: the weighting's weights;
-5. ``_add_to_grads``: ``sum_k w_k g_k`` into ``.grad``; then the report, and the weights kept for
-   the window's other micro-batches and the amortized steps (``_remember``).
+4. ``_weigh``: the weighting's weights for what the ``gram`` option makes of it
+   (``mogo.cross_fit``: the Gram matrix itself, or the cross-fitted estimate);
+5. ``_add_to_grads``: ``sum_k w_k g_k`` of the batch into ``.grad``; then the report, and the
+   weights kept for the window's other micro-batches and the amortized steps (``_remember``).
 
 Between harmonizations ``_backward_weighted`` replaces stages 2 to 5 by one backward of
 ``sum_k w_k L_k + shared``. A step is a *window*: ``zero_grad`` (or the last ``step``) opens it,
@@ -43,9 +45,10 @@ from torch import Tensor
 from torch.autograd.profiler import record_function
 
 from mogo.amortize import AmortizedWeights
+from mogo.cross_fit import GRAM_ESTIMATES
 from mogo.diagnostics import ConflictMeter, ConflictReport
 from mogo.distributed import DataParallel, ShardedParameters, _Layout, as_parameter_grad
-from mogo.gram import host_float64
+from mogo.gram import GramEstimate, host_float64
 from mogo.jacobian import GradMode, objective_grads
 from mogo.nonfinite import NonFinitePolicy, StepGuard
 from mogo.optim_state import check_state_dict, has_state
@@ -98,6 +101,15 @@ class HarmonizedOptimizer(torch.optim.Optimizer):
         distributed: across processes, :class:`mogo.DataParallel` (DDP or a replicated model)
             or :class:`mogo.ShardedParameters`; every rank then solves the same QP and takes the
             same non-finite decision.
+        gram: what the weighting weighs. ``"same_batch"``: the Gram matrix of the batch's K
+            gradients; ``backward`` takes ``(K,)`` losses. ``"cross_fitted"``: the estimate
+            ``(G_12 + G_21) / 2`` of the Gram matrix of the *expected* gradients from two
+            disjoint halves of the batch, free of the sampling noise on the batch's own Gram
+            matrix (:func:`mogo.cross_fitted_gram`); ``backward`` takes ``(2, K)`` losses, row h
+            the mean losses of half h, and the update is ``sum_k w_k`` times the gradient of the
+            batch's ``losses.mean(0)``, as amortized steps backpropagate it. Each half is
+            averaged over the ranks under :class:`mogo.DataParallel`; the report adds the
+            cross-batch conflict measures (:class:`mogo.ConflictReport`).
     """
 
     def __init__(
@@ -114,6 +126,7 @@ class HarmonizedOptimizer(torch.optim.Optimizer):
         sum_weights: Sequence[float] | None = None,
         accumulation: Literal["first", "window"] = "first",
         distributed: DataParallel | ShardedParameters | None = None,
+        gram: Literal["same_batch", "cross_fitted"] = "same_batch",
     ) -> None:
         if not isinstance(optimizer, torch.optim.Optimizer):
             raise TypeError(f"optimizer must be a torch.optim.Optimizer, got {type(optimizer).__name__}")
@@ -125,6 +138,8 @@ class HarmonizedOptimizer(torch.optim.Optimizer):
             raise ValueError(f"accumulation must be 'first' or 'window', got {accumulation!r}")
         if accumulation == "window" and nonfinite == "drop":
             raise ValueError("nonfinite='drop' needs accumulation='first': a window sums every objective")
+        if gram not in GRAM_ESTIMATES:
+            raise ValueError(f"gram must be 'same_batch' or 'cross_fitted', got {gram!r}")
         if weighting is not None and not callable(weighting):
             raise TypeError(f"weighting must be callable (a mogo.Weighting), got {weighting!r}")
         if distributed is not None and not isinstance(distributed, DataParallel | ShardedParameters):
@@ -148,6 +163,8 @@ class HarmonizedOptimizer(torch.optim.Optimizer):
         self._workspace: list[Tensor] | None = None  # sequential K gradients, reused across steps
         self.accumulation = accumulation
         self.distributed = distributed
+        self.gram = gram
+        self._sampling = GRAM_ESTIMATES[gram]
         # torch.optim.Optimizer's hook dicts: register_*_hook and step's hooks (profile_hook_step) use them
         self._optimizer_step_pre_hooks: OrderedDict = OrderedDict()
         self._optimizer_step_post_hooks: OrderedDict = OrderedDict()
@@ -219,18 +236,19 @@ class HarmonizedOptimizer(torch.optim.Optimizer):
         self._open_window()
 
     def backward(self, losses: Tensor, shared: Tensor | None = None) -> None:
-        """Accumulate the harmonized gradient of ``losses`` (K,) into ``.grad``.
+        """Accumulate the harmonized gradient of ``losses`` into ``.grad``: ``(K,)``, or
+        ``(2, K)`` (two halves of the batch) with ``gram="cross_fitted"``.
 
         ``shared`` (a scalar, e.g. a KL term) is added with weight 1 and takes no part in the
         weighting. Call once per micro-batch; ``step`` ends the window. Its stages are listed
         in the docstring of the module ``mogo.optim``.
 
         Raises:
-            ValueError, TypeError: ``losses`` is not a ``(K,)`` tensor, or ``shared`` not a
+            ValueError, TypeError: ``losses`` is not a tensor of that shape, or ``shared`` not a
                 scalar tensor.
             FloatingPointError: a loss or gradient is not finite under ``nonfinite="raise"``.
         """
-        _check_losses(losses, shared, self.objectives)
+        _check_losses(losses, shared, self.objectives, self._sampling.loss_shape(len(self.objectives)))
         self._window.final = False
         active = None if self._guard.skipped else self._guard.losses(losses, shared, self._layout)
         if active is None:
@@ -243,7 +261,7 @@ class HarmonizedOptimizer(torch.optim.Optimizer):
             grads = [None if g is None else g[:-1] for g in grads]
         if self.accumulation == "window":
             return self._window.accumulate(grads, losses.detach())
-        self._harmonize(grads, losses.detach()[active], active)
+        self._harmonize(grads, losses.detach()[..., active], active)
 
     def harmonize(self) -> None:
         """Make ``.grad`` final: with ``accumulation="window"``, solve on the window's summed
@@ -288,17 +306,18 @@ class HarmonizedOptimizer(torch.optim.Optimizer):
         window = self._window
         weights = window.weights if window.weights is not None else self.amortizer.loss_weights()
         weights = weights.to(device=losses.device, dtype=losses.dtype)
+        batch = self._sampling.batch_losses(losses)
         # "drop": index, since 0 * NaN is NaN
-        total = weights @ losses if bool(active.all()) else weights[active] @ losses[active]
+        total = weights @ batch if bool(active.all()) else weights[active] @ batch[active]
         (total if shared is None else total + shared.reshape(())).backward()
         window.local = True
 
     def _objective_grads(self, losses: Tensor, shared: Tensor | None, active: Tensor) -> list[Tensor | None]:
-        """The stacked gradients ``[A (+ 1), *p.shape]`` of the active losses (and of
+        """The stacked gradients ``[R (+ 1), *p.shape]`` of the active objectives' rows (and of
         ``shared``, a last row), reduced across ranks; ``None`` for a parameter no loss depends
         on. Sequential gradients land in a workspace kept between harmonizations
         (``accumulation="first"``, whose harmonization consumes them at once)."""
-        rows = losses[active]
+        rows = self._sampling.rows(losses, active)
         if shared is not None:
             rows = torch.cat([rows, shared.reshape(1).to(rows.dtype)])
         params = self._trainable()
@@ -315,31 +334,33 @@ class HarmonizedOptimizer(torch.optim.Optimizer):
         return self._layout.reduce(grads, params, rows.shape[0])
 
     def _harmonize(self, grads: list[Tensor | None], losses: Tensor, active: Tensor) -> None:
-        """Gram matrix, weights and ``.grad`` from the gradients of the ``A`` active objectives
-        (one ``[A, *p.shape]`` or ``None`` per parameter) and their losses ``(A,)``."""
-        gram = self._gram(grads, losses.shape[0])
+        """Gram matrix, weights and ``.grad`` from the gradient rows of the ``A`` active
+        objectives (one ``[R, *p.shape]`` or ``None`` per parameter, ``R`` rows for the
+        ``losses``, ``(A,)`` or ``(2, A)``)."""
+        sampling = self._sampling
+        gram = self._gram(grads, losses.numel())
         host = host_float64(gram)
-        finite = np.isfinite(host.diagonal())  # G_kk = ||g_k||^2 is finite exactly when g_k is
+        finite = sampling.objectives_of(np.isfinite(host.diagonal()))  # G_rr is finite exactly when g_r is
         if not finite.all():
             kept = self._guard.gradients(torch.from_numpy(finite), active)
             if kept is None:  # e.g. a NaN that autograd spread into every gradient
                 return self._guard.skip(self._trainable())
-            rows = torch.from_numpy(finite)  # "drop": leave out the objectives with non-finite gradients
+            # "drop": leave out the objectives with non-finite gradients
+            rows, objectives = (torch.from_numpy(m) for m in (sampling.rows_of(finite), finite))
             grads = [None if g is None else g[rows.to(g.device)] for g in grads]
-            gram, losses = gram[rows.to(gram.device)][:, rows.to(gram.device)], losses[rows.to(losses.device)]
-            active, host = kept, host[np.ix_(finite, finite)]
-        zero = not bool((host.diagonal() > 0).any())  # every gradient zero: no direction to learn from
-        weights = self._weigh(gram, losses, zero)
+            gram = gram[rows.to(gram.device)][:, rows.to(gram.device)]
+            losses, active, host = losses[..., objectives.to(losses.device)], kept, host[np.ix_(rows, rows)]
+        zero = sampling.no_direction(host)  # every gradient zero, or no signal above the noise
+        weights = self._weigh(sampling.weighed(gram), sampling.batch_losses(losses), zero)
+        row_weights = sampling.row_weights(weights.loss_weights)
         with record_function("mogo.combine"):
-            self._add_to_grads(
-                [None if g is None else _combine(weights.loss_weights, g) for g in grads], owned=True
-            )
+            self._add_to_grads([None if g is None else _combine(row_weights, g) for g in grads], owned=True)
         self.last_report = report = self._report(gram, weights, active)
         if not zero:  # else a no-op step, reported, and the next batch harmonizes
             self._remember(weights, report, active)
 
-    def _gram(self, grads: list[Tensor | None], objectives: int) -> Tensor:
-        """The ``(A, A)`` float64 Gram matrix of the harmonized parameters' gradients,
+    def _gram(self, grads: list[Tensor | None], rows: int) -> Tensor:
+        """The ``(R, R)`` float64 Gram matrix of the harmonized parameters' gradient rows,
         the same on every rank (zeros when none of them has a gradient)."""
         with record_function("mogo.gramian"):
             harmonized = [
@@ -347,14 +368,15 @@ class HarmonizedOptimizer(torch.optim.Optimizer):
                 for g, p in zip(grads, self._trainable(), strict=True)
                 if g is not None and id(p) in self._harmonized
             ]
-            return self._layout.gram(harmonized, objectives)
+            return self._layout.gram(harmonized, rows)
 
-    def _weigh(self, gram: Tensor, losses: Tensor, zero: bool) -> Weights:
+    def _weigh(self, gram: Tensor | GramEstimate, losses: Tensor, zero: bool) -> Weights:
         """The weighting's weights for ``gram`` and ``losses`` (A,), checked; weights 0
-        when every gradient is ``zero``, where a weighting has no direction to find."""
+        when ``zero`` (no gradient, or no signal above the noise), where a weighting has no
+        direction to find."""
         with record_function("mogo.weighting"):
             if zero:
-                return _zero_weights(gram)
+                return _zero_weights(losses.shape[0], losses.device)
             # A weighting of one's own may return anything: NaN weights would make .grad NaN, and
             # the step would be skipped or blamed on the parameters.
             return self.weighting(gram, losses.to(torch.float64)).check(self.weighting)
@@ -373,11 +395,13 @@ class HarmonizedOptimizer(torch.optim.Optimizer):
                     p.grad.add_(update)
 
     def _report(self, gram: Tensor, weights: Weights, active: Tensor) -> ConflictReport:
-        """The diagnostics of a harmonization over the ``active`` objectives."""
+        """The diagnostics of a harmonization over the ``active`` objectives, from the Gram
+        matrix of their gradient rows."""
         with record_function("mogo.report"):
             names = tuple(name for name, ok in zip(self.objectives, active.tolist(), strict=True) if ok)
             sum_weights = None if self.sum_weights is None else self.sum_weights[active.cpu()]
-            return ConflictReport.from_gram(gram, weights, names, sum_weights)
+            batch, halves = self._sampling.report_grams(gram)
+            return ConflictReport.from_gram(batch, weights, names, sum_weights, halves=halves)
 
     def _remember(self, weights: Weights, report: ConflictReport, active: Tensor) -> None:
         """Keep a harmonization's weights, over all K objectives: for the window's other
@@ -466,17 +490,19 @@ class HarmonizedOptimizer(torch.optim.Optimizer):
         return (
             f"HarmonizedOptimizer({self.optimizer.__class__.__name__}, objectives={list(self.objectives)}, "
             f"weighting={self.weighting!r}, harmonize_every={self.amortizer.harmonize_every}, "
-            f"alpha_ema={self.amortizer.alpha_ema})"
+            f"alpha_ema={self.amortizer.alpha_ema}, gram={self.gram!r})"
         )
 
 
-def _check_losses(losses: Any, shared: Any, objectives: tuple[str, ...]) -> None:
-    """``ValueError`` or ``TypeError`` unless ``losses`` is a ``(K,)`` tensor and ``shared`` a
+def _check_losses(losses: Any, shared: Any, objectives: tuple[str, ...], shape: tuple[int, ...]) -> None:
+    """``ValueError`` or ``TypeError`` unless ``losses`` is a tensor of ``shape`` and ``shared`` a
     scalar tensor or None."""
-    K = len(objectives)
-    if not isinstance(losses, Tensor) or losses.shape != (K,):
-        shape = tuple(losses.shape) if isinstance(losses, Tensor) else type(losses).__name__
-        raise ValueError(f"losses must be a tensor of shape ({K},) for objectives {objectives}, got {shape}")
+    if not isinstance(losses, Tensor) or losses.shape != shape:
+        got = tuple(losses.shape) if isinstance(losses, Tensor) else type(losses).__name__
+        halves = " (two halves' losses, gram='cross_fitted')" if len(shape) == 2 else ""
+        raise ValueError(
+            f"losses must be a tensor of shape {shape}{halves} for objectives {objectives}, got {got}"
+        )
     if shared is not None and not isinstance(shared, Tensor):
         raise TypeError(f"shared must be a scalar tensor (a loss) or None, got {type(shared).__name__}")
     if shared is not None and shared.numel() != 1:
@@ -509,10 +535,9 @@ def _sum_weights(sum_weights: Sequence[float], K: int) -> Tensor:
         raise ValueError(f"sum_weights: {error}") from None
 
 
-def _zero_weights(gram: Tensor) -> Weights:
-    """Weights 0 for ``A`` objectives (``gram``: ``(A, A)``) whose gradients are all zero."""
-    A = gram.shape[0]
-    zeros = torch.zeros(A, dtype=torch.float64, device=gram.device)
+def _zero_weights(objectives: int, device: torch.device) -> Weights:
+    """Weights 0 for ``A = objectives`` objectives that give no direction."""
+    zeros = torch.zeros(objectives, dtype=torch.float64, device=device)
     return Weights(zeros, torch.ones_like(zeros), zeros.new_zeros(()))
 
 

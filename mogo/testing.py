@@ -3,18 +3,20 @@
 The families are the inputs on which published solvers fail: rank-deficient sets (K larger than
 the dimension), exactly opposite gradients (optimum 0), duplicates, zero gradients, norms spread
 over many decades, nearly collinear sets. Tests and benchmarks draw from the same generators, so a
-benchmark table and a property test speak about the same problems.
+benchmark table and a property test speak about the same problems. :class:`NoisyObjectives` draws
+batch gradients with known expected gradients and controlled sampling noise.
 """
 
 from __future__ import annotations
 
 from collections.abc import Callable
+from dataclasses import dataclass
 
 import numpy as np
 import torch
 from torch import Tensor
 
-__all__ = ["FAMILIES", "assert_min_norm_optimal", "gradient_family", "rank_deficient"]
+__all__ = ["FAMILIES", "NoisyObjectives", "assert_min_norm_optimal", "gradient_family", "rank_deficient"]
 
 
 def _gaussian(rng: np.random.Generator, K: int, dim: int) -> np.ndarray:
@@ -142,3 +144,57 @@ def assert_min_norm_optimal(G: Tensor, alpha: Tensor, *, tol: float = 1e-9) -> N
     assert bool((below <= tol).all()), f"KKT violated: (G alpha)_i below alpha^T G alpha by {below.max():.3g}"
     off_support = (alpha * (g - value)).abs().amax(-1)
     assert bool((off_support <= tol).all()), f"complementarity violated by {off_support.max():.3g}"
+
+
+@dataclass(frozen=True)
+class NoisyObjectives:
+    """K objectives with known expected gradients whose per-sample gradients carry noise that
+    co-varies across objectives as their per-sample advantages do.
+
+    Sample i's gradient of objective k is ``mu_k + s_k a_ik h_i``: ``h_i ~ N(0, I / P)`` is the
+    sample's own direction in the ``P`` parameters (``E ||h_i||^2 = 1``), shared by its K
+    objectives, and its advantages ``a_i ~ N(0, C)`` weigh it per objective. A batch's
+    gradient (the mean over its samples) has the expectation ``mu_k`` and the noise
+    ``n_k = s_k mean_i a_ik h_i``, whose Gram matrix has the expectation
+    ``diag(s) C diag(s) / batch``: the same-batch Gram matrix's bias, which the advantages'
+    correlation ``C`` shapes.
+
+    Attributes:
+        expected: ``(K, P)`` float64, the expected gradients ``mu_k``.
+        noise: ``(K,)`` float64, ``s_k``, the per-sample noise scale.
+        correlation: ``(K, K)`` float64 correlation matrix ``C`` of the advantages.
+    """
+
+    expected: np.ndarray
+    noise: np.ndarray
+    correlation: np.ndarray
+
+    @classmethod
+    def with_signal_fraction(
+        cls, expected: np.ndarray, correlation: np.ndarray, fraction: float, batch: int
+    ) -> NoisyObjectives:
+        """Noise scaled so that ``||mu_k||^2`` is ``fraction`` of ``E ||g_k||^2`` at ``batch``
+        samples: ``s_k^2 = batch ||mu_k||^2 (1 / fraction - 1)``."""
+        squared_norms = (expected**2).sum(axis=1)
+        return cls(expected, np.sqrt(batch * squared_norms * (1 / fraction - 1)), correlation)
+
+    @property
+    def gram(self) -> np.ndarray:
+        """``(K, K)`` the Gram matrix of the expected gradients, ``M M^T``."""
+        return self.expected @ self.expected.T
+
+    def noise_gram(self, batch: int) -> np.ndarray:
+        """``(K, K)`` the expected Gram matrix of a ``batch``'s noise, ``diag(s) C diag(s) / batch``."""
+        return self.noise[:, None] * self.correlation * self.noise[None, :] / batch
+
+    def halves(self, rng: np.random.Generator, batch: int) -> tuple[np.ndarray, np.ndarray]:
+        """The ``(K, P)`` gradients of two disjoint halves (``batch // 2`` samples each) of a
+        batch; the batch's gradient is their mean."""
+        return self.batch(rng, batch // 2), self.batch(rng, batch // 2)
+
+    def batch(self, rng: np.random.Generator, size: int) -> np.ndarray:
+        """The ``(K, P)`` gradient of a batch of ``size`` samples (the mean of theirs)."""
+        K, P = self.expected.shape
+        advantages = rng.multivariate_normal(np.zeros(K), self.correlation, size=size)  # (size, K)
+        directions = rng.standard_normal((size, P)) / np.sqrt(P)
+        return self.expected + self.noise[:, None] * (advantages.T @ directions) / size
