@@ -11,10 +11,12 @@ from mogo.dual_cone import DualConeResult, project_dual_cone
 from mogo.gram import CheckedGram, GramEstimate, NormalizedGram, check_gram, gramian, normalize_gram
 from mogo.imtl_g import IMTLG
 from mogo.jacobian import objective_grads
+from mogo.modo import MoDo
 from mogo.nash_mtl import NashMTL
 from mogo.optim import HarmonizedOptimizer
 from mogo.pcgrad import PCGrad
 from mogo.registry import Registry, make_weighting, register_weighting
+from mogo.sdmgrad import SDMGrad
 from mogo.solvers import MinNormResult, SolverError, min_norm
 from mogo.torchjd_weighting import TorchJDWeighting
 from mogo.upgrad import UPGrad
@@ -43,10 +45,12 @@ __all__ = [
     "HarmonizedOptimizer",
     "MinNorm",
     "MinNormResult",
+    "MoDo",
     "NashMTL",
     "NormalizedGram",
     "PCGrad",
     "Registry",
+    "SDMGrad",
     "ShardedParameters",
     "SolverError",
     "TorchJDWeighting",

@@ -160,7 +160,7 @@ class GramEstimate:
     Every weighting takes an estimate in place of ``G``: :func:`check_gram` checks it as it
     checks ``G`` but for positive semidefiniteness, and the weighting works on its nearest Gram
     matrix (:attr:`mogo.Weights.weighed` says so), or, where it is a stochastic method that
-    needs the unbiased matrix (MoDo, SDMGrad), on the estimate
+    needs the unbiased matrix (:class:`mogo.MoDo`, :class:`mogo.SDMGrad`), on the estimate
     itself. The declaration travels as this type, not as a keyword, so that it passes through
     the ``Weighting(gram, losses)`` protocol and the optimizer unchanged; what else is known of
     an estimate belongs on it as well: :func:`mogo.cross_fitted_gram` keeps the one-way cross
