@@ -8,6 +8,7 @@ from mogo.cross_fit import cross_fitted_gram
 from mogo.diagnostics import ConflictMeter, ConflictReport
 from mogo.distributed import DataParallel, ShardedParameters, sharded_gramian
 from mogo.dual_cone import DualConeResult, project_dual_cone
+from mogo.gated import GatedProjection
 from mogo.gram import CheckedGram, GramEstimate, NormalizedGram, check_gram, gramian, normalize_gram
 from mogo.imtl_g import IMTLG
 from mogo.jacobian import objective_grads
@@ -41,6 +42,7 @@ __all__ = [
     "ConflictReport",
     "DataParallel",
     "DualConeResult",
+    "GatedProjection",
     "GramEstimate",
     "HarmonizedOptimizer",
     "MinNorm",

@@ -16,6 +16,7 @@ from typing import Any
 
 from mogo.aligned_mtl import AlignedMTL
 from mogo.cagrad import CAGrad
+from mogo.gated import GatedProjection
 from mogo.imtl_g import IMTLG
 from mogo.modo import MoDo
 from mogo.nash_mtl import NashMTL
@@ -161,6 +162,7 @@ WEIGHTINGS = Registry(
         "pcgrad": PCGrad,
         "modo": MoDo,
         "sdmgrad": SDMGrad,
+        "gated_projection": GatedProjection,
     },
 )
 """Every registered weighting: the factory is called with the weighting's options as keyword arguments."""
