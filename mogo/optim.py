@@ -17,11 +17,13 @@ A harmonizing ``backward(losses)`` runs five stages, each a method defined below
 2. ``_objective_grads``: the gradient rows, one per objective (two, one per half of the batch,
    with ``gram="cross_fitted"``), reduced across ranks by the layout;
 3. ``_gram``: their Gram matrix over the harmonized parameters (a gradient that is not finite
-   goes to the policy: ``StepGuard.gradients``);
+   goes to the policy: ``StepGuard.gradients``), or with ``grad_ema`` that of their EMA
+   (``mogo.tracking``);
 4. ``_weigh``: the weighting's weights for what the ``gram`` option makes of it
-   (``mogo.cross_fit``: the Gram matrix itself, or the cross-fitted estimate);
-5. ``_add_to_grads``: ``sum_k w_k g_k`` of the batch into ``.grad``; then the report, and the
-   weights kept for the window's other micro-batches and the amortized steps (``_remember``).
+   (``mogo.cross_fit``: the Gram matrix itself, or the cross-fitted estimate), and the weights
+   the step applies, kept for the window's other micro-batches and the amortized steps
+   (``_remember``: the amortizer's choice, smoothed with ``smooth_harmonized``);
+5. ``_add_to_grads``: ``sum_k w_k g_k`` of the batch into ``.grad``; then the report.
 
 Between harmonizations ``_backward_weighted`` replaces stages 2 to 5 by one backward of
 ``sum_k w_k L_k + shared``. A step is a *window*: ``zero_grad`` (or the last ``step``) opens it,
@@ -36,6 +38,7 @@ from __future__ import annotations
 
 from collections import OrderedDict
 from collections.abc import Callable, Iterable, Sequence
+from dataclasses import replace
 from numbers import Integral
 from typing import Any, Literal
 
@@ -52,6 +55,7 @@ from mogo.gram import GramEstimate, host_float64
 from mogo.jacobian import GradMode, objective_grads
 from mogo.nonfinite import NonFinitePolicy, StepGuard
 from mogo.optim_state import check_state_dict, has_state
+from mogo.tracking import GradientTracker
 from mogo.weighting import MinNorm, WeightedSum, Weighting, Weights
 
 __all__ = ["HarmonizedOptimizer", "NonFinitePolicy"]
@@ -77,7 +81,16 @@ class HarmonizedOptimizer(torch.optim.Optimizer):
             Weights that are not finite raise a ``ValueError`` naming it, whatever ``nonfinite``
             says: they are the weighting's fault, not the step's (:meth:`mogo.Weights.check`).
         harmonize_every: N, the optimizer steps between harmonizations (1: every step).
-        alpha_ema: rho, the EMA decay of alpha reused between harmonizations.
+        alpha_ema: rho, the EMA decay of alpha across harmonizations (CR-MOGM's average, see
+            ``mogo.amortize``), reused between them.
+        smooth_harmonized: apply the smoothed alpha at harmonization steps too, as CR-MOGM does
+            (with ``harmonize_every=1``, every step's weights are the average); by default a
+            harmonization applies its own weights, as MARBLE does.
+        grad_ema: beta in ``[0, 1)``: the weighting weighs the Gram matrix of an EMA of each
+            objective's gradient across harmonizations (MoCo, ``mogo.tracking``), applied to
+            this batch's gradients; it keeps K (2K with ``gram="cross_fitted"``) gradients of the
+            harmonized parameters in memory, and as much again during a harmonization. 0 (the
+            default) tracks nothing.
         params: the parameters whose gradients define the Gram matrix (e.g. a shared trunk or
             the LoRA weights); by default every trainable parameter of ``optimizer``.
         grad_mode: per-objective gradients ``"auto"``, ``"batched"`` or ``"sequential"``.
@@ -127,6 +140,8 @@ class HarmonizedOptimizer(torch.optim.Optimizer):
         accumulation: Literal["first", "window"] = "first",
         distributed: DataParallel | ShardedParameters | None = None,
         gram: Literal["same_batch", "cross_fitted"] = "same_batch",
+        smooth_harmonized: bool = False,
+        grad_ema: float = 0.0,
     ) -> None:
         if not isinstance(optimizer, torch.optim.Optimizer):
             raise TypeError(f"optimizer must be a torch.optim.Optimizer, got {type(optimizer).__name__}")
@@ -149,7 +164,8 @@ class HarmonizedOptimizer(torch.optim.Optimizer):
         self.optimizer = optimizer
         self.objectives = names
         self.weighting = MinNorm() if weighting is None else weighting
-        self.amortizer = AmortizedWeights(harmonize_every, alpha_ema)
+        self.amortizer = AmortizedWeights(harmonize_every, alpha_ema, smooth_harmonized)
+        self.tracker = GradientTracker(grad_ema)
         self.grad_mode: GradMode = grad_mode
         self.sum_weights = None if sum_weights is None else _sum_weights(sum_weights, len(names))
         trainable = {id(p) for p in self._trainable()}
@@ -350,14 +366,30 @@ class HarmonizedOptimizer(torch.optim.Optimizer):
             grads = [None if g is None else g[rows.to(g.device)] for g in grads]
             gram = gram[rows.to(gram.device)][:, rows.to(gram.device)]
             losses, active, host = losses[..., objectives.to(losses.device)], kept, host[np.ix_(rows, rows)]
-        zero = sampling.no_direction(host)  # every gradient zero, or no signal above the noise
-        weights = self._weigh(sampling.weighed(gram), sampling.batch_losses(losses), zero)
+        weighed = self._tracked_gram(grads, gram, active)
+        zero = sampling.no_direction(
+            host_float64(weighed)
+        )  # every gradient zero, or no signal above the noise
+        weights = self._weigh(sampling.weighed(weighed), sampling.batch_losses(losses), zero)
+        if not zero:  # else a no-op step, reported, and the next batch harmonizes
+            weights = self._remember(weights, active)
         row_weights = sampling.row_weights(weights.loss_weights)
         with record_function("mogo.combine"):
             self._add_to_grads([None if g is None else _combine(row_weights, g) for g in grads], owned=True)
         self.last_report = report = self._report(gram, weights, active)
-        if not zero:  # else a no-op step, reported, and the next batch harmonizes
-            self._remember(weights, report, active)
+        if not zero:
+            self.meter.update(report)
+
+    def _tracked_gram(self, grads: list[Tensor | None], gram: Tensor, active: Tensor) -> Tensor:
+        """The Gram matrix the weighting weighs: ``gram``, that of the step's rows, or with
+        ``grad_ema`` that of their EMA (the rows of the ``active`` objectives)."""
+        if not self.tracker.tracking:
+            return gram
+        harmonized = [
+            g if id(p) in self._harmonized else None for g, p in zip(grads, self._trainable(), strict=True)
+        ]
+        present = torch.from_numpy(self._sampling.rows_of(active.cpu().numpy()))
+        return self._gram(self.tracker.update(harmonized, present), gram.shape[0])
 
     def _gram(self, grads: list[Tensor | None], rows: int) -> Tensor:
         """The ``(R, R)`` float64 Gram matrix of the harmonized parameters' gradient rows,
@@ -403,14 +435,14 @@ class HarmonizedOptimizer(torch.optim.Optimizer):
             batch, halves = self._sampling.report_grams(gram)
             return ConflictReport.from_gram(batch, weights, names, sum_weights, halves=halves)
 
-    def _remember(self, weights: Weights, report: ConflictReport, active: Tensor) -> None:
-        """Keep a harmonization's weights, over all K objectives: for the window's other
-        micro-batches as they are, for the amortized steps in the EMA cache; count it."""
-        expanded = _expand(weights, active)
-        self.amortizer.update(expanded)
-        self.meter.update(report)
-        self._window.weights = expanded.loss_weights
+    def _remember(self, weights: Weights, active: Tensor) -> Weights:
+        """Keep a harmonization's weights, over all K objectives, in the amortizer's EMA cache,
+        and return those the step applies (its own, or the smoothed ones), over the ``active``
+        objectives; the window's other micro-batches apply them as well."""
+        applied = self.amortizer.update(_expand(weights, active))
+        self._window.weights = applied.loss_weights
         self._layout.expect(harmonizing=False)  # the window's other micro-batches are ordinary
+        return _restrict(applied, active)
 
     def _trainable(self) -> list[Tensor]:
         return [p for group in self.optimizer.param_groups for p in group["params"] if p.requires_grad]
@@ -441,7 +473,7 @@ class HarmonizedOptimizer(torch.optim.Optimizer):
             result = hook(self, state_dict)
             if result is not None:
                 state_dict = result
-        check_state_dict(state_dict, self.objectives, self.weighting)
+        check_state_dict(state_dict, self.objectives, self.weighting, self.tracker, len(self._trainable()))
         self.optimizer.load_state_dict(state_dict["inner"])  # checks the parameter groups first
         self._load_own_state(state_dict["mogo"])
         self._open_window()
@@ -466,6 +498,8 @@ class HarmonizedOptimizer(torch.optim.Optimizer):
         }
         if has_state(self.weighting):  # e.g. PCGrad's generator
             state["weighting"] = self.weighting.state_dict()
+        if self.tracker.tracking:
+            state["tracker"] = self.tracker.state_dict()
         return state
 
     def _load_own_state(self, state: dict[str, Any]) -> None:
@@ -477,6 +511,8 @@ class HarmonizedOptimizer(torch.optim.Optimizer):
         self.grad_mode = state["grad_mode"]  # an "auto" fallback is found again on the next harmonization
         if has_state(self.weighting):
             self.weighting.load_state_dict(state["weighting"])
+        if self.tracker.tracking:
+            self.tracker.load_state_dict(state["tracker"])
 
     def __getstate__(self) -> dict[str, Any]:
         """Everything but the distributed layout (its process group and module stay behind) and
@@ -490,7 +526,8 @@ class HarmonizedOptimizer(torch.optim.Optimizer):
         return (
             f"HarmonizedOptimizer({self.optimizer.__class__.__name__}, objectives={list(self.objectives)}, "
             f"weighting={self.weighting!r}, harmonize_every={self.amortizer.harmonize_every}, "
-            f"alpha_ema={self.amortizer.alpha_ema}, gram={self.gram!r})"
+            f"alpha_ema={self.amortizer.alpha_ema}, smooth_harmonized={self.amortizer.smooth_harmonized}, "
+            f"gram={self.gram!r}, grad_ema={self.tracker.decay})"
         )
 
 
@@ -547,6 +584,12 @@ def _combine(weights: Tensor, stacked: Tensor) -> Tensor:
     return (weights.to(device=flat.device, dtype=flat.dtype) @ flat).reshape(stacked.shape[1:])
 
 
+def _restrict(weights: Weights, active: Tensor) -> Weights:
+    """Weights over all K objectives, restricted to those of the ``(K,)`` mask ``active``."""
+    mask = active.to(weights.alpha.device)
+    return replace(weights, alpha=weights.alpha[mask], divisor=weights.divisor[mask])
+
+
 def _expand(weights: Weights, active: Tensor) -> Weights:
     """Weights over the active objectives, scattered to all K of the ``(K,)`` mask ``active``
     (alpha 0, divisor 1 elsewhere)."""
@@ -554,7 +597,7 @@ def _expand(weights: Weights, active: Tensor) -> Weights:
     divisor = weights.divisor.new_ones(active.shape[0])
     mask = active.to(alpha.device)
     alpha[mask], divisor[mask] = weights.alpha, weights.divisor
-    return Weights(alpha, divisor, weights.scale, weights.solve)
+    return replace(weights, alpha=alpha, divisor=divisor)
 
 
 class _Window:
