@@ -14,7 +14,7 @@ from hypothesis import strategies as st
 
 import mogo
 from mogo.cross_fit import batch_gram, estimate_of_halves
-from mogo.testing import NoisyObjectives
+from mogo.testing import STUDY_BATCH, NoisyObjectives, noise_study, planted_conflict
 
 EPS = float(np.finfo(np.float64).eps)
 
@@ -407,20 +407,9 @@ def test_a_meter_state_from_before_the_cross_batch_statistics_loads():
         loaded.load_state_dict({**meter.state_dict(), "cross_batch_steps": 1, "cross_batch_conflicts": 5})
 
 
-# The synthetic problem (benchmarks/noisy_gram.py draws the same) -----------------------------------
+# The synthetic study (benchmarks/noisy_gram.py runs it at length) -----------------------------------
 
-BATCH = 64  # samples per batch; the expected gradients hold 5 % of a batch gradient's squared norm
-
-
-def study_problem(seed: int = 1, dim: int = 1000) -> NoisyObjectives:
-    """Three objectives; the first two's advantages correlate (0.8), the third's hardly (0.2)."""
-    rng = np.random.default_rng(seed)
-    basis = np.linalg.qr(rng.standard_normal((dim, 3)))[0].T
-    expected = np.stack(
-        [basis[0], 0.9 * basis[0] + 1.2 * basis[1], -0.2 * basis[0] + 0.3 * basis[1] + 0.6 * basis[2]]
-    )
-    correlation = np.array([[1.0, 0.8, 0.2], [0.8, 1.0, 0.2], [0.2, 0.2, 1.0]])
-    return NoisyObjectives.with_signal_fraction(expected, correlation, 0.05, BATCH)
+BATCH = STUDY_BATCH  # samples per batch; the expected gradients hold 5 % of a batch gradient's squared norm
 
 
 def averaged_estimates(
@@ -438,7 +427,7 @@ def averaged_estimates(
 
 
 def test_the_cross_fitted_error_falls_as_one_over_the_samples_and_the_same_batch_bias_stays():
-    problem, rng = study_problem(), np.random.default_rng(0)
+    problem, rng = noise_study(), np.random.default_rng(0)
     true, bias = problem.gram, problem.noise_gram(BATCH)
     assert np.allclose(np.diagonal(bias), 19 * np.diagonal(true))  # 5 % signal: the noise is 19x
     errors = {}
@@ -467,7 +456,7 @@ def test_the_cross_fitted_error_falls_as_one_over_the_samples_and_the_same_batch
 
 
 def test_min_norm_weights_of_the_averaged_estimate_approach_the_true_ones_and_the_same_batch_ones_do_not():
-    problem, rng = study_problem(), np.random.default_rng(2)
+    problem, rng = noise_study(), np.random.default_rng(2)
     weighting = mogo.MinNorm()
 
     def alpha(G: np.ndarray | mogo.GramEstimate) -> np.ndarray:
@@ -481,16 +470,6 @@ def test_min_norm_weights_of_the_averaged_estimate_approach_the_true_ones_and_th
     same, cross = averaged_estimates(problem, rng, 256)
     assert np.abs(alpha(mogo.GramEstimate(torch.from_numpy(cross))) - true).max() <= gap / 4
     assert np.abs(alpha(same) - biased).max() <= gap / 4
-
-
-def planted_conflict(dim: int = 2000) -> NoisyObjectives:
-    """The mean of three expected gradients opposes the third: ``<mean, mu_3> = -0.25``."""
-    rng = np.random.default_rng(3)
-    basis = np.linalg.qr(rng.standard_normal((dim, 3)))[0].T
-    expected = np.stack([basis[0], 0.8 * basis[0] + 0.6 * basis[1], -0.9 * basis[0] + 0.2 * basis[2]])
-    expected /= np.linalg.norm(expected, axis=1, keepdims=True)
-    correlation = np.array([[1.0, 0.3, 0.3], [0.3, 1.0, 0.3], [0.3, 0.3, 1.0]])
-    return NoisyObjectives.with_signal_fraction(expected, correlation, 0.05, BATCH)
 
 
 def test_the_cross_batch_conflict_rate_recovers_a_planted_conflict_the_same_batch_rate_misses():
