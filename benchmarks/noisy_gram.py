@@ -35,27 +35,12 @@ sys.path.insert(0, str(Path(__file__).resolve().parent.parent))
 import mogo
 from benchmarks.machine import describe
 from mogo.gram import has_direction
-from mogo.testing import STUDY_BATCH, NoisyObjectives, noise_study, planted_conflict
+from mogo.testing import STUDY_BATCH, noise_study, planted_conflict
 
 ROOT = Path(__file__).resolve().parent.parent
 FIGURE = ROOT / "docs" / "_generated" / "noisy_gram.png"
 TABLE = ROOT / "docs" / "_generated" / "noisy_gram.txt"
 BATCHES = (1, 2, 4, 8, 16, 32, 64, 128, 256)
-
-
-def averaged(
-    problem: NoisyObjectives, rng: np.random.Generator, batches: int
-) -> tuple[np.ndarray, np.ndarray]:
-    """The same-batch Gram matrix and the cross-fitted estimate, each averaged over ``batches``."""
-    K = problem.expected.shape[0]
-    same, cross = np.zeros((K, K)), np.zeros((K, K))
-    for _ in range(batches):
-        first, second = problem.halves(rng, STUDY_BATCH)
-        batch = (first + second) / 2
-        same += batch @ batch.T
-        product = first @ second.T
-        cross += (product + product.T) / 2
-    return same / batches, cross / batches
 
 
 def min_norm_alpha(G: np.ndarray, estimate: bool) -> np.ndarray | None:
@@ -77,7 +62,7 @@ def estimate_study(draws: int, seed: int = 0) -> dict[int, dict[str, float]]:
     for n in BATCHES:
         values: dict[str, list[float]] = {"cross none": []}
         for _ in range(max(16, draws // n)):
-            for name, G in zip(("same", "cross"), averaged(problem, rng, n), strict=True):
+            for name, G in zip(("same", "cross"), problem.averaged_grams(rng, n, STUDY_BATCH), strict=True):
                 error = G - true
                 values.setdefault(f"{name} mse", []).append(float((error**2).sum() / (true**2).sum()))
                 values.setdefault(f"{name} bias", []).append(

@@ -201,6 +201,21 @@ class NoisyObjectives:
         batch; the batch's gradient is their mean."""
         return self.batch(rng, batch // 2), self.batch(rng, batch // 2)
 
+    def averaged_grams(
+        self, rng: np.random.Generator, batches: int, size: int
+    ) -> tuple[np.ndarray, np.ndarray]:
+        """The same-batch Gram matrix and the cross-fitted estimate ``(G_12 + G_21) / 2`` of
+        ``batches`` batches of ``size`` samples, each averaged over the batches, ``(K, K)``."""
+        K = len(self.expected)
+        same, cross = np.zeros((K, K)), np.zeros((K, K))
+        for _ in range(batches):
+            first, second = self.halves(rng, size)
+            batch = (first + second) / 2
+            same += batch @ batch.T
+            product = first @ second.T
+            cross += (product + product.T) / 2
+        return same / batches, cross / batches
+
     def batch(self, rng: np.random.Generator, size: int) -> np.ndarray:
         """The ``(K, P)`` gradient of a batch of ``size`` samples (the mean of theirs)."""
         K, P = self.expected.shape

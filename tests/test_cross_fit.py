@@ -14,7 +14,7 @@ from hypothesis import strategies as st
 
 import mogo
 from mogo.cross_fit import batch_gram, estimate_of_halves
-from mogo.testing import STUDY_BATCH, NoisyObjectives, noise_study, planted_conflict
+from mogo.testing import STUDY_BATCH, noise_study, planted_conflict
 
 EPS = float(np.finfo(np.float64).eps)
 
@@ -412,27 +412,13 @@ def test_a_meter_state_from_before_the_cross_batch_statistics_loads():
 BATCH = STUDY_BATCH  # samples per batch; the expected gradients hold 5 % of a batch gradient's squared norm
 
 
-def averaged_estimates(
-    problem: NoisyObjectives, rng: np.random.Generator, batches: int
-) -> tuple[np.ndarray, ...]:
-    """The same-batch Gram matrix and the cross-fitted estimate, each averaged over ``batches``."""
-    same, cross = np.zeros((3, 3)), np.zeros((3, 3))
-    for _ in range(batches):
-        first, second = problem.halves(rng, BATCH)
-        batch = (first + second) / 2
-        same += batch @ batch.T
-        product = first @ second.T
-        cross += (product + product.T) / 2
-    return same / batches, cross / batches
-
-
 def test_the_cross_fitted_error_falls_as_one_over_the_samples_and_the_same_batch_bias_stays():
     problem, rng = noise_study(), np.random.default_rng(0)
     true, bias = problem.gram, problem.noise_gram(BATCH)
     assert np.allclose(np.diagonal(bias), 19 * np.diagonal(true))  # 5 % signal: the noise is 19x
     errors = {}
     for batches, draws in ((1, 400), (16, 100)):
-        estimates = [averaged_estimates(problem, rng, batches) for _ in range(draws)]
+        estimates = [problem.averaged_grams(rng, batches, BATCH) for _ in range(draws)]
         errors[batches] = {
             "same": np.array([same - true for same, _ in estimates]),
             "cross": np.array([cross - true for _, cross in estimates]),
@@ -467,7 +453,7 @@ def test_min_norm_weights_of_the_averaged_estimate_approach_the_true_ones_and_th
     biased = alpha(problem.gram + problem.noise_gram(BATCH))  # where the same-batch average tends
     gap = np.abs(true - biased).max()
     assert gap > 0.2  # the noise's shape (objective 3's advantages correlate least) moves them
-    same, cross = averaged_estimates(problem, rng, 256)
+    same, cross = problem.averaged_grams(rng, 256, BATCH)
     assert np.abs(alpha(mogo.GramEstimate(torch.from_numpy(cross))) - true).max() <= gap / 4
     assert np.abs(alpha(same) - biased).max() <= gap / 4
 

@@ -15,6 +15,7 @@ from torchjd.aggregation import MoDoWeighting, SDMGradWeighting
 import mogo
 from mogo.gram import has_direction
 from mogo.simplex import project_onto_simplex
+from tests.reference import noisy_regression, per_objective_gradients
 
 EPS = float(np.finfo(np.float64).eps)
 
@@ -230,12 +231,8 @@ def test_sdmgrad_drives_the_optimizer_with_the_weights_of_the_gram_matrix_it_for
     reference = mogo.SDMGrad()
     params = list(model.parameters())
     for step in range(4):
-        generator = torch.Generator().manual_seed(step)
-        x = torch.randn(16, 5, generator=generator, dtype=torch.float64)
-        losses = ((model(x) - torch.randn(16, 3, generator=generator, dtype=torch.float64)) ** 2).mean(0)
-        rows = [torch.autograd.grad(loss, params, retain_graph=True) for loss in losses]
-        stacked = [torch.stack(grads) for grads in zip(*rows, strict=True)]
-        J = torch.cat([g.reshape(3, -1) for g in stacked], dim=1)
+        losses = noisy_regression(model, step, inputs=5)
+        stacked, J = per_objective_gradients(losses, params)
         opt.zero_grad()
         opt.backward(losses)
         weights = reference(mogo.gramian(stacked), losses.detach()).loss_weights
