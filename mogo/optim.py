@@ -367,9 +367,8 @@ class HarmonizedOptimizer(torch.optim.Optimizer):
             gram = gram[rows.to(gram.device)][:, rows.to(gram.device)]
             losses, active, host = losses[..., objectives.to(losses.device)], kept, host[np.ix_(rows, rows)]
         weighed = self._tracked_gram(grads, gram, active)
-        zero = sampling.no_direction(
-            host_float64(weighed)
-        )  # every gradient zero, or no signal above the noise
+        # every gradient zero, or (cross-fitted) no objective's signal above its noise
+        zero = sampling.no_direction(host_float64(weighed))
         weights = self._weigh(sampling.weighed(weighed), sampling.batch_losses(losses), zero)
         if not zero:  # else a no-op step, reported, and the next batch harmonizes
             weights = self._remember(weights, active)
