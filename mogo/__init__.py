@@ -4,16 +4,20 @@ from mogo import registry
 from mogo.aligned_mtl import AlignedMTL
 from mogo.amortize import AmortizedWeights
 from mogo.cagrad import CAGrad
+from mogo.cross_fit import cross_fitted_gram
 from mogo.diagnostics import ConflictMeter, ConflictReport
 from mogo.distributed import DataParallel, ShardedParameters, sharded_gramian
 from mogo.dual_cone import DualConeResult, project_dual_cone
+from mogo.gated import GatedProjection
 from mogo.gram import CheckedGram, GramEstimate, NormalizedGram, check_gram, gramian, normalize_gram
 from mogo.imtl_g import IMTLG
 from mogo.jacobian import objective_grads
+from mogo.modo import MoDo
 from mogo.nash_mtl import NashMTL
 from mogo.optim import HarmonizedOptimizer
 from mogo.pcgrad import PCGrad
 from mogo.registry import Registry, make_weighting, register_weighting
+from mogo.sdmgrad import SDMGrad
 from mogo.solvers import MinNormResult, SolverError, min_norm
 from mogo.torchjd_weighting import TorchJDWeighting
 from mogo.upgrad import UPGrad
@@ -38,14 +42,17 @@ __all__ = [
     "ConflictReport",
     "DataParallel",
     "DualConeResult",
+    "GatedProjection",
     "GramEstimate",
     "HarmonizedOptimizer",
     "MinNorm",
     "MinNormResult",
+    "MoDo",
     "NashMTL",
     "NormalizedGram",
     "PCGrad",
     "Registry",
+    "SDMGrad",
     "ShardedParameters",
     "SolverError",
     "TorchJDWeighting",
@@ -54,6 +61,7 @@ __all__ = [
     "Weighting",
     "Weights",
     "check_gram",
+    "cross_fitted_gram",
     "gramian",
     "make_weighting",
     "min_norm",

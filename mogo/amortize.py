@@ -3,13 +3,25 @@
 Every ``harmonize_every`` optimizer steps the K gradients are computed and a weighting solved.
 In between, the loss weights ``w_k = s * alpha_k / c_k`` are rebuilt from the cached divisors
 ``c`` and scale ``s`` of the last harmonization and from ``alpha`` smoothed by an exponential
-moving average, ``alpha <- rho * alpha + (1 - rho) * alpha_new``. A step then costs one backward
-pass of ``sum_k w_k L_k``; since ``d = sum_k w_k g_k`` is linear in the losses, that pass
-reproduces exactly the direction the weights define.
+moving average, ``alpha <- rho * alpha + (1 - rho) * alpha_new`` (the first harmonization's
+``alpha`` as it is). A step then costs one backward pass of ``sum_k w_k L_k``; since
+``d = sum_k w_k g_k`` is linear in the losses, that pass reproduces exactly the direction the
+weights define.
+
+The average is CR-MOGM's (Zhou, Zhang, Jiang, Yang, Chen & Ye 2022, "On the Convergence of
+Stochastic Multi-Objective Gradient Manipulation and Beyond", NeurIPS; TorchJD's
+``CRMOGMWeighting``): weights smoothed across the harmonizations against their noise. Two
+choices differ from it. A harmonization step applies its fresh weights, and the smoothed ones
+serve the steps between (MARBLE as released), unless ``smooth_harmonized``, which applies them
+at the harmonization too: CR-MOGM itself, with ``harmonize_every=1`` every step. And the average
+is of ``alpha``, with the last harmonization's ``c`` and ``s``: the loss weights CR-MOGM smooths
+where ``c`` and ``s`` stay put (MinNorm without normalisation, WeightedSum, MoDo, SDMGrad), the
+smoothed direction in the unit gradients' coordinates with today's norms where they do not.
 """
 
 from __future__ import annotations
 
+from dataclasses import replace
 from numbers import Integral, Real
 from typing import Any
 
@@ -60,14 +72,22 @@ class AmortizedWeights:
     Args:
         harmonize_every: N; solve on optimizer steps 0, N, 2N, ... (1 solves every step).
         alpha_ema: rho in [0, 1); 0 reuses the last alpha as it is.
+        smooth_harmonized: a harmonization step applies the smoothed weights too (CR-MOGM),
+            not its own (the module docstring). A setting, as the optimizer's are: it is not
+            part of its ``state_dict``.
     """
 
-    def __init__(self, harmonize_every: int = 1, alpha_ema: float = 0.0) -> None:
+    def __init__(
+        self, harmonize_every: int = 1, alpha_ema: float = 0.0, smooth_harmonized: bool = False
+    ) -> None:
         problems = _schedule_problems(harmonize_every, alpha_ema)
         if problems:
             raise ValueError("; ".join(problems.values()))
+        if not isinstance(smooth_harmonized, bool):
+            raise TypeError(f"smooth_harmonized must be True or False, got {smooth_harmonized!r}")
         self.harmonize_every = int(harmonize_every)
         self.alpha_ema = float(alpha_ema)
+        self.smooth_harmonized = smooth_harmonized
         self.step = 0
         self.alpha: Tensor | None = None
         self.divisor: Tensor | None = None
@@ -78,14 +98,18 @@ class AmortizedWeights:
         """Whether the current optimizer step harmonizes."""
         return self.alpha is None or self.step % self.harmonize_every == 0
 
-    def update(self, weights: Weights) -> None:
-        """Fold the weights of a harmonization step into the cache."""
+    def update(self, weights: Weights) -> Weights:
+        """Fold the weights of a harmonization step into the cache, and return the weights the
+        step applies: its own, or with ``smooth_harmonized`` the smoothed ones."""
         alpha = weights.alpha.detach().to(torch.float64)
         if self.alpha is not None and self.alpha_ema > 0:
             alpha = self.alpha_ema * self.alpha.to(alpha.device) + (1 - self.alpha_ema) * alpha
         self.alpha = alpha
         self.divisor = weights.divisor.detach().to(torch.float64)
         self.scale = weights.scale.detach().to(torch.float64)
+        if not self.smooth_harmonized:
+            return weights
+        return replace(weights, alpha=self.alpha, divisor=self.divisor, scale=self.scale)
 
     def loss_weights(self) -> Tensor:
         """``(K,)`` float64 ``w_k = s * alpha_k / c_k`` for an amortized step."""

@@ -18,6 +18,7 @@ dtype is known; a :class:`GramEstimate` declares a ``G`` that may be indefinite.
 
 from __future__ import annotations
 
+import math
 from collections.abc import Iterable
 from dataclasses import dataclass
 from typing import Literal, NamedTuple
@@ -158,12 +159,17 @@ class GramEstimate:
     where the noise exceeds the signal; an indefinite ``G`` that is not declared so is an error.
     Every weighting takes an estimate in place of ``G``: :func:`check_gram` checks it as it
     checks ``G`` but for positive semidefiniteness, and the weighting works on its nearest Gram
-    matrix. The declaration travels as this type, not as a keyword, so that it passes through
+    matrix (:attr:`mogo.Weights.weighed` says so), or, where it is a stochastic method that
+    needs the unbiased matrix (:class:`mogo.MoDo`, :class:`mogo.SDMGrad`), on the estimate
+    itself. The declaration travels as this type, not as a keyword, so that it passes through
     the ``Weighting(gram, losses)`` protocol and the optimizer unchanged; what else is known of
-    an estimate (its entries' standard errors, say) belongs on it as well.
+    an estimate belongs on it as well: :func:`mogo.cross_fitted_gram` keeps the one-way cross
+    matrix, whose antisymmetric part measures the estimate's noise.
 
     Attributes:
         gram: ``(K, K)`` real, finite, and symmetric within its dtype's round-off.
+        cross: ``None``, or ``(K, K)`` the one-way cross matrix ``J_1 J_2^T`` of two independent
+            estimates of the gradients, whose symmetric part is ``gram`` (within round-off).
 
     Example:
         >>> import torch, mogo
@@ -182,6 +188,7 @@ class GramEstimate:
     """
 
     gram: Tensor
+    cross: Tensor | None = None
 
 
 class CheckedGram(NamedTuple):
@@ -195,11 +202,17 @@ class CheckedGram(NamedTuple):
             :func:`mogo.min_norm`, Precision): float32 for a float32 ``G``, though ``host`` is
             float64.
         device: where ``G`` was, and where the weights go.
+        estimate: for a :class:`GramEstimate`, ``(K, K)`` float64, the symmetric part of the
+            estimate as declared (possibly indefinite); ``None`` for a Gram matrix.
+        cross: the estimate's one-way cross matrix ``J_1 J_2^T`` as ``(K, K)`` float64, where it
+            declared one; else ``None``.
     """
 
     host: np.ndarray
     precision: torch.dtype
     device: torch.device
+    estimate: np.ndarray | None = None
+    cross: np.ndarray | None = None
 
 
 def check_gram(G: Tensor | GramEstimate | CheckedGram) -> CheckedGram:
@@ -241,8 +254,10 @@ def check_gram(G: Tensor | GramEstimate | CheckedGram) -> CheckedGram:
     precision = _precision(tensor.dtype, K)
     host = host_float64(tensor)
     if isinstance(G, GramEstimate):
-        host = _nearest_gram(host, precision)
-    elif _single_problem(host, precision) is None:  # the fast checks failed: say why, or pass
+        estimate = _symmetric_estimate(host, precision)
+        cross = None if G.cross is None else _checked_cross(G.cross, estimate, precision)
+        return CheckedGram(_nearest_gram(estimate, precision), tensor.dtype, tensor.device, estimate, cross)
+    if _single_problem(host, precision) is None:  # the fast checks failed: say why, or pass
         if not host.any():
             raise ValueError(f"G is 0: every one of the {K} gradients is zero, so there is no direction")
         _prepare(host[None], precision)  # min_norm's general path: G near overflow passes
@@ -261,14 +276,20 @@ def _matrix_size(G: Tensor) -> int:
     return G.shape[0]
 
 
-def _nearest_gram(estimate: np.ndarray, precision: _Precision) -> np.ndarray:
-    """The nearest Gram matrix of a finite ``estimate`` (K, K), symmetric within the allowance
+def _symmetric_estimate(estimate: np.ndarray, precision: _Precision) -> np.ndarray:
+    """The symmetric part of a finite ``estimate`` (K, K), symmetric within the allowance
     relative to its largest entry, or the ValueError that names what is wrong."""
     size = np.abs(estimate).max()
     if not (size < np.inf and np.abs(estimate - estimate.T).max() <= precision.allowance * size):
         _diagnose(estimate[None], precision, semidefinite=False)
-    nearest = _nearest_psd((estimate + estimate.T) / 2)
-    largest = nearest.diagonal().max() / size
+    return (estimate + estimate.T) / 2
+
+
+def _nearest_gram(estimate: np.ndarray, precision: _Precision) -> np.ndarray:
+    """The nearest Gram matrix of a symmetric ``estimate`` (K, K), or the ValueError that says it
+    is 0 within round-off."""
+    nearest = _nearest_psd(estimate)
+    largest = _relative_size(nearest, estimate)
     if not largest > precision.allowance:
         raise ValueError(
             f"the estimate's nearest Gram matrix is 0 within round-off (its largest diagonal entry is "
@@ -276,6 +297,45 @@ def _nearest_gram(estimate: np.ndarray, precision: _Precision) -> np.ndarray:
             f"{precision.allowance:.2g}): there is no direction to weigh"
         )
     return nearest
+
+
+def _relative_size(nearest: np.ndarray, estimate: np.ndarray) -> float:
+    """The largest diagonal entry of an estimate's nearest Gram matrix over the estimate's
+    largest entry (NaN for an estimate of 0)."""
+    size = np.abs(estimate).max()
+    return float(nearest.diagonal().max() / size) if size > 0 else math.nan
+
+
+def has_direction(estimate: np.ndarray) -> bool:
+    """Whether :func:`check_gram` finds a direction in a float64 symmetric estimate (K, K): its
+    nearest Gram matrix is not 0 within round-off."""
+    allowance = _precision(torch.float64, len(estimate)).allowance
+    return _relative_size(_nearest_psd(estimate), estimate) > allowance
+
+
+def _checked_cross(cross: object, estimate: np.ndarray, precision: _Precision) -> np.ndarray:
+    """A :class:`GramEstimate`'s ``cross`` as float64 on the host, checked to be a finite
+    ``(K, K)`` tensor whose symmetric part is ``estimate`` within the allowance of its largest
+    entry, or the ValueError (TypeError for no tensor) that names what is wrong."""
+    if not isinstance(cross, Tensor):
+        raise TypeError(f"GramEstimate.cross must be a torch.Tensor or None, got {type(cross).__name__}")
+    if tuple(cross.shape) != estimate.shape or cross.is_complex():
+        raise ValueError(
+            f"GramEstimate.cross must be a real tensor of the gram's shape {estimate.shape}, "
+            f"got {tuple(cross.shape)} {cross.dtype}"
+        )
+    host = host_float64(cross)
+    if not np.isfinite(host).all():
+        i, j = np.argwhere(~np.isfinite(host))[0]
+        raise ValueError(f"GramEstimate.cross contains NaN or Inf: entry ({i}, {j}) is {host[i, j]}")
+    size = max(np.abs(host).max(), np.abs(estimate).max())
+    mismatch = np.abs((host + host.T) / 2 - estimate).max() / size if size > 0 else 0.0
+    if not mismatch <= precision.allowance:
+        raise ValueError(
+            f"GramEstimate.gram is not the symmetric part of GramEstimate.cross: they differ by "
+            f"{mismatch:.3g} of the largest entry; a {precision.name} G is known to {precision.allowance:.2g}"
+        )
+    return host
 
 
 @dataclass(frozen=True)

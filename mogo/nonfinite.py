@@ -74,15 +74,18 @@ class StepGuard(Generic[S]):
         self._saved, self.skipped = self._save(), False
 
     def losses(self, losses: Tensor, shared: Tensor | None, layout: _Layout) -> Tensor | None:
-        """The ``(K,)`` bool mask of the objectives to keep, whose losses are finite on every
-        rank; None when the step is to be skipped (:meth:`skip`), a non-finite ``shared`` loss
-        included, since it cannot be dropped."""
-        values = (
-            losses.detach() if shared is None else torch.cat([losses.detach(), shared.detach().reshape(1)])
-        )
-        names = [*self.objectives, "shared"][: values.numel()]
-        keep = self._decide(layout.agree(torch.isfinite(values)), names, "loss for objective(s)", values)
+        """The ``(K,)`` bool mask of the objectives to keep, whose losses (``(K,)``, or
+        ``(H, K)`` of H parts of the batch: every part's) are finite on every rank; None when
+        the step is to be skipped (:meth:`skip`), a non-finite ``shared`` loss included, since
+        it cannot be dropped."""
         K = len(self.objectives)
+        values = losses.detach()
+        finite = torch.isfinite(values.reshape(-1, K)).all(0)
+        if shared is not None:
+            values = torch.cat([values.reshape(-1), shared.detach().reshape(1)])
+            finite = torch.cat([finite, torch.isfinite(shared.detach().reshape(1))])
+        names = [*self.objectives, "shared"][: finite.numel()]
+        keep = self._decide(layout.agree(finite), names, "loss for objective(s)", values)
         if keep is None or not bool(keep[K:].all()):
             return None
         return keep[:K]

@@ -14,12 +14,16 @@ A harmonizing ``backward(losses)`` runs five stages, each a method defined below
 
 1. finite? ``StepGuard.losses``: the losses and ``shared`` finite on every rank, or the
    non-finite policy acts (``mogo.nonfinite``);
-2. ``_objective_grads``: the per-objective gradients, reduced across ranks by the layout;
+2. ``_objective_grads``: the gradient rows, one per objective (two, one per half of the batch,
+   with ``gram="cross_fitted"``), reduced across ranks by the layout;
 3. ``_gram``: their Gram matrix over the harmonized parameters (a gradient that is not finite
-   goes to the policy: ``StepGuard.gradients``);
-4. ``_weigh``: the weighting's weights;
-5. ``_add_to_grads``: ``sum_k w_k g_k`` into ``.grad``; then the report, and the weights kept for
-   the window's other micro-batches and the amortized steps (``_remember``).
+   goes to the policy: ``StepGuard.gradients``), or with ``grad_ema`` that of their EMA
+   (``mogo.tracking``);
+4. ``_weigh``: the weighting's weights for what the ``gram`` option makes of it
+   (``mogo.cross_fit``: the Gram matrix itself, or the cross-fitted estimate), and the weights
+   the step applies, kept for the window's other micro-batches and the amortized steps
+   (``_remember``: the amortizer's choice, smoothed with ``smooth_harmonized``);
+5. ``_add_to_grads``: ``sum_k w_k g_k`` of the batch into ``.grad``; then the report.
 
 Between harmonizations ``_backward_weighted`` replaces stages 2 to 5 by one backward of
 ``sum_k w_k L_k + shared``. A step is a *window*: ``zero_grad`` (or the last ``step``) opens it,
@@ -34,6 +38,7 @@ from __future__ import annotations
 
 from collections import OrderedDict
 from collections.abc import Callable, Iterable, Sequence
+from dataclasses import replace
 from numbers import Integral
 from typing import Any, Literal
 
@@ -43,12 +48,14 @@ from torch import Tensor
 from torch.autograd.profiler import record_function
 
 from mogo.amortize import AmortizedWeights
+from mogo.cross_fit import GRAM_ESTIMATES
 from mogo.diagnostics import ConflictMeter, ConflictReport
 from mogo.distributed import DataParallel, ShardedParameters, _Layout, as_parameter_grad
-from mogo.gram import host_float64
+from mogo.gram import GramEstimate, host_float64
 from mogo.jacobian import GradMode, objective_grads
 from mogo.nonfinite import NonFinitePolicy, StepGuard
 from mogo.optim_state import check_state_dict, has_state
+from mogo.tracking import GradientTracker
 from mogo.weighting import MinNorm, WeightedSum, Weighting, Weights
 
 __all__ = ["HarmonizedOptimizer", "NonFinitePolicy"]
@@ -74,7 +81,16 @@ class HarmonizedOptimizer(torch.optim.Optimizer):
             Weights that are not finite raise a ``ValueError`` naming it, whatever ``nonfinite``
             says: they are the weighting's fault, not the step's (:meth:`mogo.Weights.check`).
         harmonize_every: N, the optimizer steps between harmonizations (1: every step).
-        alpha_ema: rho, the EMA decay of alpha reused between harmonizations.
+        alpha_ema: rho, the EMA decay of alpha across harmonizations (CR-MOGM's average, see
+            ``mogo.amortize``), reused between them.
+        smooth_harmonized: apply the smoothed alpha at harmonization steps too, as CR-MOGM does
+            (with ``harmonize_every=1``, every step's weights are the average); by default a
+            harmonization applies its own weights, as MARBLE does.
+        grad_ema: beta in ``[0, 1)``: the weighting weighs the Gram matrix of an EMA of each
+            objective's gradient across harmonizations (MoCo, ``mogo.tracking``), applied to
+            this batch's gradients; it keeps K (2K with ``gram="cross_fitted"``) gradients of the
+            harmonized parameters in memory, and as much again during a harmonization. 0 (the
+            default) tracks nothing.
         params: the parameters whose gradients define the Gram matrix (e.g. a shared trunk or
             the LoRA weights); by default every trainable parameter of ``optimizer``.
         grad_mode: per-objective gradients ``"auto"``, ``"batched"`` or ``"sequential"``.
@@ -98,6 +114,15 @@ class HarmonizedOptimizer(torch.optim.Optimizer):
         distributed: across processes, :class:`mogo.DataParallel` (DDP or a replicated model)
             or :class:`mogo.ShardedParameters`; every rank then solves the same QP and takes the
             same non-finite decision.
+        gram: what the weighting weighs. ``"same_batch"``: the Gram matrix of the batch's K
+            gradients; ``backward`` takes ``(K,)`` losses. ``"cross_fitted"``: the estimate
+            ``(G_12 + G_21) / 2`` of the Gram matrix of the *expected* gradients from two
+            disjoint halves of the batch, free of the sampling noise on the batch's own Gram
+            matrix (:func:`mogo.cross_fitted_gram`); ``backward`` takes ``(2, K)`` losses, row h
+            the mean losses of half h, and the update is ``sum_k w_k`` times the gradient of the
+            batch's ``losses.mean(0)``, as amortized steps backpropagate it. Each half is
+            averaged over the ranks under :class:`mogo.DataParallel`; the report adds the
+            cross-batch conflict measures (:class:`mogo.ConflictReport`).
     """
 
     def __init__(
@@ -114,6 +139,9 @@ class HarmonizedOptimizer(torch.optim.Optimizer):
         sum_weights: Sequence[float] | None = None,
         accumulation: Literal["first", "window"] = "first",
         distributed: DataParallel | ShardedParameters | None = None,
+        gram: Literal["same_batch", "cross_fitted"] = "same_batch",
+        smooth_harmonized: bool = False,
+        grad_ema: float = 0.0,
     ) -> None:
         if not isinstance(optimizer, torch.optim.Optimizer):
             raise TypeError(f"optimizer must be a torch.optim.Optimizer, got {type(optimizer).__name__}")
@@ -125,6 +153,8 @@ class HarmonizedOptimizer(torch.optim.Optimizer):
             raise ValueError(f"accumulation must be 'first' or 'window', got {accumulation!r}")
         if accumulation == "window" and nonfinite == "drop":
             raise ValueError("nonfinite='drop' needs accumulation='first': a window sums every objective")
+        if gram not in GRAM_ESTIMATES:
+            raise ValueError(f"gram must be 'same_batch' or 'cross_fitted', got {gram!r}")
         if weighting is not None and not callable(weighting):
             raise TypeError(f"weighting must be callable (a mogo.Weighting), got {weighting!r}")
         if distributed is not None and not isinstance(distributed, DataParallel | ShardedParameters):
@@ -134,7 +164,8 @@ class HarmonizedOptimizer(torch.optim.Optimizer):
         self.optimizer = optimizer
         self.objectives = names
         self.weighting = MinNorm() if weighting is None else weighting
-        self.amortizer = AmortizedWeights(harmonize_every, alpha_ema)
+        self.amortizer = AmortizedWeights(harmonize_every, alpha_ema, smooth_harmonized)
+        self.tracker = GradientTracker(grad_ema)
         self.grad_mode: GradMode = grad_mode
         self.sum_weights = None if sum_weights is None else _sum_weights(sum_weights, len(names))
         trainable = {id(p) for p in self._trainable()}
@@ -148,6 +179,8 @@ class HarmonizedOptimizer(torch.optim.Optimizer):
         self._workspace: list[Tensor] | None = None  # sequential K gradients, reused across steps
         self.accumulation = accumulation
         self.distributed = distributed
+        self.gram = gram
+        self._sampling = GRAM_ESTIMATES[gram]
         # torch.optim.Optimizer's hook dicts: register_*_hook and step's hooks (profile_hook_step) use them
         self._optimizer_step_pre_hooks: OrderedDict = OrderedDict()
         self._optimizer_step_post_hooks: OrderedDict = OrderedDict()
@@ -219,18 +252,19 @@ class HarmonizedOptimizer(torch.optim.Optimizer):
         self._open_window()
 
     def backward(self, losses: Tensor, shared: Tensor | None = None) -> None:
-        """Accumulate the harmonized gradient of ``losses`` (K,) into ``.grad``.
+        """Accumulate the harmonized gradient of ``losses`` into ``.grad``: ``(K,)``, or
+        ``(2, K)`` (two halves of the batch) with ``gram="cross_fitted"``.
 
         ``shared`` (a scalar, e.g. a KL term) is added with weight 1 and takes no part in the
         weighting. Call once per micro-batch; ``step`` ends the window. Its stages are listed
         in the docstring of the module ``mogo.optim``.
 
         Raises:
-            ValueError, TypeError: ``losses`` is not a ``(K,)`` tensor, or ``shared`` not a
+            ValueError, TypeError: ``losses`` is not a tensor of that shape, or ``shared`` not a
                 scalar tensor.
             FloatingPointError: a loss or gradient is not finite under ``nonfinite="raise"``.
         """
-        _check_losses(losses, shared, self.objectives)
+        _check_losses(losses, shared, self.objectives, self._sampling.loss_shape(len(self.objectives)))
         self._window.final = False
         active = None if self._guard.skipped else self._guard.losses(losses, shared, self._layout)
         if active is None:
@@ -243,7 +277,7 @@ class HarmonizedOptimizer(torch.optim.Optimizer):
             grads = [None if g is None else g[:-1] for g in grads]
         if self.accumulation == "window":
             return self._window.accumulate(grads, losses.detach())
-        self._harmonize(grads, losses.detach()[active], active)
+        self._harmonize(grads, losses.detach()[..., active], active)
 
     def harmonize(self) -> None:
         """Make ``.grad`` final: with ``accumulation="window"``, solve on the window's summed
@@ -288,17 +322,18 @@ class HarmonizedOptimizer(torch.optim.Optimizer):
         window = self._window
         weights = window.weights if window.weights is not None else self.amortizer.loss_weights()
         weights = weights.to(device=losses.device, dtype=losses.dtype)
+        batch = self._sampling.batch_losses(losses)
         # "drop": index, since 0 * NaN is NaN
-        total = weights @ losses if bool(active.all()) else weights[active] @ losses[active]
+        total = weights @ batch if bool(active.all()) else weights[active] @ batch[active]
         (total if shared is None else total + shared.reshape(())).backward()
         window.local = True
 
     def _objective_grads(self, losses: Tensor, shared: Tensor | None, active: Tensor) -> list[Tensor | None]:
-        """The stacked gradients ``[A (+ 1), *p.shape]`` of the active losses (and of
+        """The stacked gradients ``[R (+ 1), *p.shape]`` of the active objectives' rows (and of
         ``shared``, a last row), reduced across ranks; ``None`` for a parameter no loss depends
         on. Sequential gradients land in a workspace kept between harmonizations
         (``accumulation="first"``, whose harmonization consumes them at once)."""
-        rows = losses[active]
+        rows = self._sampling.rows(losses, active)
         if shared is not None:
             rows = torch.cat([rows, shared.reshape(1).to(rows.dtype)])
         params = self._trainable()
@@ -315,31 +350,48 @@ class HarmonizedOptimizer(torch.optim.Optimizer):
         return self._layout.reduce(grads, params, rows.shape[0])
 
     def _harmonize(self, grads: list[Tensor | None], losses: Tensor, active: Tensor) -> None:
-        """Gram matrix, weights and ``.grad`` from the gradients of the ``A`` active objectives
-        (one ``[A, *p.shape]`` or ``None`` per parameter) and their losses ``(A,)``."""
-        gram = self._gram(grads, losses.shape[0])
+        """Gram matrix, weights and ``.grad`` from the gradient rows of the ``A`` active
+        objectives (one ``[R, *p.shape]`` or ``None`` per parameter, ``R`` rows for the
+        ``losses``, ``(A,)`` or ``(2, A)``)."""
+        sampling = self._sampling
+        gram = self._gram(grads, losses.numel())
         host = host_float64(gram)
-        finite = np.isfinite(host.diagonal())  # G_kk = ||g_k||^2 is finite exactly when g_k is
+        finite = sampling.objectives_of(np.isfinite(host.diagonal()))  # G_rr is finite exactly when g_r is
         if not finite.all():
             kept = self._guard.gradients(torch.from_numpy(finite), active)
             if kept is None:  # e.g. a NaN that autograd spread into every gradient
                 return self._guard.skip(self._trainable())
-            rows = torch.from_numpy(finite)  # "drop": leave out the objectives with non-finite gradients
+            # "drop": leave out the objectives with non-finite gradients
+            rows, objectives = (torch.from_numpy(m) for m in (sampling.rows_of(finite), finite))
             grads = [None if g is None else g[rows.to(g.device)] for g in grads]
-            gram, losses = gram[rows.to(gram.device)][:, rows.to(gram.device)], losses[rows.to(losses.device)]
-            active, host = kept, host[np.ix_(finite, finite)]
-        zero = not bool((host.diagonal() > 0).any())  # every gradient zero: no direction to learn from
-        weights = self._weigh(gram, losses, zero)
-        with record_function("mogo.combine"):
-            self._add_to_grads(
-                [None if g is None else _combine(weights.loss_weights, g) for g in grads], owned=True
-            )
-        self.last_report = report = self._report(gram, weights, active)
+            gram = gram[rows.to(gram.device)][:, rows.to(gram.device)]
+            losses, active, host = losses[..., objectives.to(losses.device)], kept, host[np.ix_(rows, rows)]
+        weighed = self._tracked_gram(grads, gram, active)
+        # every gradient zero, or (cross-fitted) no objective's signal above its noise
+        zero = sampling.no_direction(host_float64(weighed))
+        weights = self._weigh(sampling.weighed(weighed), sampling.batch_losses(losses), zero)
         if not zero:  # else a no-op step, reported, and the next batch harmonizes
-            self._remember(weights, report, active)
+            weights = self._remember(weights, active)
+        row_weights = sampling.row_weights(weights.loss_weights)
+        with record_function("mogo.combine"):
+            self._add_to_grads([None if g is None else _combine(row_weights, g) for g in grads], owned=True)
+        self.last_report = report = self._report(gram, weights, active)
+        if not zero:
+            self.meter.update(report)
 
-    def _gram(self, grads: list[Tensor | None], objectives: int) -> Tensor:
-        """The ``(A, A)`` float64 Gram matrix of the harmonized parameters' gradients,
+    def _tracked_gram(self, grads: list[Tensor | None], gram: Tensor, active: Tensor) -> Tensor:
+        """The Gram matrix the weighting weighs: ``gram``, that of the step's rows, or with
+        ``grad_ema`` that of their EMA (the rows of the ``active`` objectives)."""
+        if not self.tracker.tracking:
+            return gram
+        harmonized = [
+            g if id(p) in self._harmonized else None for g, p in zip(grads, self._trainable(), strict=True)
+        ]
+        present = torch.from_numpy(self._sampling.rows_of(active.cpu().numpy()))
+        return self._gram(self.tracker.update(harmonized, present), gram.shape[0])
+
+    def _gram(self, grads: list[Tensor | None], rows: int) -> Tensor:
+        """The ``(R, R)`` float64 Gram matrix of the harmonized parameters' gradient rows,
         the same on every rank (zeros when none of them has a gradient)."""
         with record_function("mogo.gramian"):
             harmonized = [
@@ -347,14 +399,15 @@ class HarmonizedOptimizer(torch.optim.Optimizer):
                 for g, p in zip(grads, self._trainable(), strict=True)
                 if g is not None and id(p) in self._harmonized
             ]
-            return self._layout.gram(harmonized, objectives)
+            return self._layout.gram(harmonized, rows)
 
-    def _weigh(self, gram: Tensor, losses: Tensor, zero: bool) -> Weights:
+    def _weigh(self, gram: Tensor | GramEstimate, losses: Tensor, zero: bool) -> Weights:
         """The weighting's weights for ``gram`` and ``losses`` (A,), checked; weights 0
-        when every gradient is ``zero``, where a weighting has no direction to find."""
+        when ``zero`` (no gradient, or no signal above the noise), where a weighting has no
+        direction to find."""
         with record_function("mogo.weighting"):
             if zero:
-                return _zero_weights(gram)
+                return _zero_weights(losses.shape[0], losses.device)
             # A weighting of one's own may return anything: NaN weights would make .grad NaN, and
             # the step would be skipped or blamed on the parameters.
             return self.weighting(gram, losses.to(torch.float64)).check(self.weighting)
@@ -373,20 +426,22 @@ class HarmonizedOptimizer(torch.optim.Optimizer):
                     p.grad.add_(update)
 
     def _report(self, gram: Tensor, weights: Weights, active: Tensor) -> ConflictReport:
-        """The diagnostics of a harmonization over the ``active`` objectives."""
+        """The diagnostics of a harmonization over the ``active`` objectives, from the Gram
+        matrix of their gradient rows."""
         with record_function("mogo.report"):
             names = tuple(name for name, ok in zip(self.objectives, active.tolist(), strict=True) if ok)
             sum_weights = None if self.sum_weights is None else self.sum_weights[active.cpu()]
-            return ConflictReport.from_gram(gram, weights, names, sum_weights)
+            batch, halves = self._sampling.report_grams(gram)
+            return ConflictReport.from_gram(batch, weights, names, sum_weights, halves=halves)
 
-    def _remember(self, weights: Weights, report: ConflictReport, active: Tensor) -> None:
-        """Keep a harmonization's weights, over all K objectives: for the window's other
-        micro-batches as they are, for the amortized steps in the EMA cache; count it."""
-        expanded = _expand(weights, active)
-        self.amortizer.update(expanded)
-        self.meter.update(report)
-        self._window.weights = expanded.loss_weights
+    def _remember(self, weights: Weights, active: Tensor) -> Weights:
+        """Keep a harmonization's weights, over all K objectives, in the amortizer's EMA cache,
+        and return those the step applies (its own, or the smoothed ones), over the ``active``
+        objectives; the window's other micro-batches apply them as well."""
+        applied = self.amortizer.update(_expand(weights, active))
+        self._window.weights = applied.loss_weights
         self._layout.expect(harmonizing=False)  # the window's other micro-batches are ordinary
+        return _restrict(applied, active)
 
     def _trainable(self) -> list[Tensor]:
         return [p for group in self.optimizer.param_groups for p in group["params"] if p.requires_grad]
@@ -417,7 +472,7 @@ class HarmonizedOptimizer(torch.optim.Optimizer):
             result = hook(self, state_dict)
             if result is not None:
                 state_dict = result
-        check_state_dict(state_dict, self.objectives, self.weighting)
+        check_state_dict(state_dict, self.objectives, self.weighting, self.tracker, len(self._trainable()))
         self.optimizer.load_state_dict(state_dict["inner"])  # checks the parameter groups first
         self._load_own_state(state_dict["mogo"])
         self._open_window()
@@ -442,6 +497,8 @@ class HarmonizedOptimizer(torch.optim.Optimizer):
         }
         if has_state(self.weighting):  # e.g. PCGrad's generator
             state["weighting"] = self.weighting.state_dict()
+        if self.tracker.tracking:
+            state["tracker"] = self.tracker.state_dict()
         return state
 
     def _load_own_state(self, state: dict[str, Any]) -> None:
@@ -453,6 +510,8 @@ class HarmonizedOptimizer(torch.optim.Optimizer):
         self.grad_mode = state["grad_mode"]  # an "auto" fallback is found again on the next harmonization
         if has_state(self.weighting):
             self.weighting.load_state_dict(state["weighting"])
+        if self.tracker.tracking:
+            self.tracker.load_state_dict(state["tracker"])
 
     def __getstate__(self) -> dict[str, Any]:
         """Everything but the distributed layout (its process group and module stay behind) and
@@ -466,17 +525,20 @@ class HarmonizedOptimizer(torch.optim.Optimizer):
         return (
             f"HarmonizedOptimizer({self.optimizer.__class__.__name__}, objectives={list(self.objectives)}, "
             f"weighting={self.weighting!r}, harmonize_every={self.amortizer.harmonize_every}, "
-            f"alpha_ema={self.amortizer.alpha_ema})"
+            f"alpha_ema={self.amortizer.alpha_ema}, smooth_harmonized={self.amortizer.smooth_harmonized}, "
+            f"gram={self.gram!r}, grad_ema={self.tracker.decay})"
         )
 
 
-def _check_losses(losses: Any, shared: Any, objectives: tuple[str, ...]) -> None:
-    """``ValueError`` or ``TypeError`` unless ``losses`` is a ``(K,)`` tensor and ``shared`` a
+def _check_losses(losses: Any, shared: Any, objectives: tuple[str, ...], shape: tuple[int, ...]) -> None:
+    """``ValueError`` or ``TypeError`` unless ``losses`` is a tensor of ``shape`` and ``shared`` a
     scalar tensor or None."""
-    K = len(objectives)
-    if not isinstance(losses, Tensor) or losses.shape != (K,):
-        shape = tuple(losses.shape) if isinstance(losses, Tensor) else type(losses).__name__
-        raise ValueError(f"losses must be a tensor of shape ({K},) for objectives {objectives}, got {shape}")
+    if not isinstance(losses, Tensor) or losses.shape != shape:
+        got = tuple(losses.shape) if isinstance(losses, Tensor) else type(losses).__name__
+        halves = " (two halves' losses, gram='cross_fitted')" if len(shape) == 2 else ""
+        raise ValueError(
+            f"losses must be a tensor of shape {shape}{halves} for objectives {objectives}, got {got}"
+        )
     if shared is not None and not isinstance(shared, Tensor):
         raise TypeError(f"shared must be a scalar tensor (a loss) or None, got {type(shared).__name__}")
     if shared is not None and shared.numel() != 1:
@@ -509,10 +571,9 @@ def _sum_weights(sum_weights: Sequence[float], K: int) -> Tensor:
         raise ValueError(f"sum_weights: {error}") from None
 
 
-def _zero_weights(gram: Tensor) -> Weights:
-    """Weights 0 for ``A`` objectives (``gram``: ``(A, A)``) whose gradients are all zero."""
-    A = gram.shape[0]
-    zeros = torch.zeros(A, dtype=torch.float64, device=gram.device)
+def _zero_weights(objectives: int, device: torch.device) -> Weights:
+    """Weights 0 for ``A = objectives`` objectives that give no direction."""
+    zeros = torch.zeros(objectives, dtype=torch.float64, device=device)
     return Weights(zeros, torch.ones_like(zeros), zeros.new_zeros(()))
 
 
@@ -522,6 +583,12 @@ def _combine(weights: Tensor, stacked: Tensor) -> Tensor:
     return (weights.to(device=flat.device, dtype=flat.dtype) @ flat).reshape(stacked.shape[1:])
 
 
+def _restrict(weights: Weights, active: Tensor) -> Weights:
+    """Weights over all K objectives, restricted to those of the ``(K,)`` mask ``active``."""
+    mask = active.to(weights.alpha.device)
+    return replace(weights, alpha=weights.alpha[mask], divisor=weights.divisor[mask])
+
+
 def _expand(weights: Weights, active: Tensor) -> Weights:
     """Weights over the active objectives, scattered to all K of the ``(K,)`` mask ``active``
     (alpha 0, divisor 1 elsewhere)."""
@@ -529,7 +596,7 @@ def _expand(weights: Weights, active: Tensor) -> Weights:
     divisor = weights.divisor.new_ones(active.shape[0])
     mask = active.to(alpha.device)
     alpha[mask], divisor[mask] = weights.alpha, weights.divisor
-    return Weights(alpha, divisor, weights.scale, weights.solve)
+    return replace(weights, alpha=alpha, divisor=divisor)
 
 
 class _Window:

@@ -7,7 +7,8 @@
               "amortizer": AmortizedWeights.state_dict(),
               "grad_mode": "auto" | "batched" | "sequential",
               "meter": ConflictMeter.state_dict(),
-              "weighting": the weighting's state_dict}}   # a weighting with state of its own only
+              "weighting": the weighting's state_dict,    # a weighting with state of its own only
+              "tracker": GradientTracker.state_dict()}}   # with grad_ema > 0 only
 
 :func:`check_state_dict` names every bad field of a state at once, by its dotted name
 (``mogo.amortizer.alpha_ema: ...; mogo.meter.extra: unexpected``), so that a checkpoint either
@@ -21,6 +22,7 @@ from typing import Any, get_args
 from mogo.amortize import AmortizedWeights
 from mogo.diagnostics import ConflictMeter
 from mogo.jacobian import GradMode
+from mogo.tracking import GradientTracker
 from mogo.weighting import Weighting
 
 __all__ = ["check_state_dict", "has_state"]
@@ -32,8 +34,15 @@ def has_state(weighting: Weighting) -> bool:
     return all(hasattr(weighting, name) for name in ("state_dict", "load_state_dict", "state_problems"))
 
 
-def check_state_dict(state_dict: Any, objectives: tuple[str, ...], weighting: Weighting) -> None:
-    """Check a state for an optimizer of ``objectives`` and ``weighting``.
+def check_state_dict(
+    state_dict: Any,
+    objectives: tuple[str, ...],
+    weighting: Weighting,
+    tracker: GradientTracker,
+    parameters: int,
+) -> None:
+    """Check a state for an optimizer of ``objectives``, ``weighting`` and ``tracker``, with
+    ``parameters`` trainable parameters.
 
     Raises:
         ValueError: it is not a dict of ``inner`` and ``mogo``, or it has bad fields (all of
@@ -43,7 +52,7 @@ def check_state_dict(state_dict: Any, objectives: tuple[str, ...], weighting: We
         keys = sorted(state_dict) if isinstance(state_dict, dict) else type(state_dict).__name__
         raise ValueError(f"not a HarmonizedOptimizer state_dict: expected keys ['inner', 'mogo'], got {keys}")
     problems = _inner_problems(state_dict["inner"]) + _mogo_problems(
-        state_dict["mogo"], objectives, weighting
+        state_dict["mogo"], objectives, weighting, tracker, parameters
     )
     if problems:
         raise ValueError(f"invalid HarmonizedOptimizer state_dict: {'; '.join(problems)}")
@@ -58,7 +67,9 @@ def _inner_problems(inner: Any) -> list[str]:
     return [f"inner: not an optimizer state_dict (keys 'state', 'param_groups'), got {got}"]
 
 
-def _mogo_problems(mine: Any, objectives: tuple[str, ...], weighting: Weighting) -> list[str]:
+def _mogo_problems(
+    mine: Any, objectives: tuple[str, ...], weighting: Weighting, tracker: GradientTracker, parameters: int
+) -> list[str]:
     """Every bad field of mogo's part, as ``"mogo.field: problem"``."""
     if not isinstance(mine, dict):
         return [f"mogo: must be a dict, got {type(mine).__name__}"]
@@ -68,6 +79,7 @@ def _mogo_problems(mine: Any, objectives: tuple[str, ...], weighting: Weighting)
         "grad_mode",
         "meter",
         *(("weighting",) if has_state(weighting) else ()),
+        *(("tracker",) if tracker.tracking else ()),
     )
     problems = [f"{field}: missing" for field in fields if field not in mine]
     problems += [f"{field}: unexpected" for field in sorted(map(str, set(mine) - set(fields)))]
@@ -86,4 +98,6 @@ def _mogo_problems(mine: Any, objectives: tuple[str, ...], weighting: Weighting)
         problems += [f"meter.{p}" for p in ConflictMeter.state_problems(mine["meter"])]
     if has_state(weighting) and "weighting" in mine:
         problems += [f"weighting.{p}" for p in weighting.state_problems(mine["weighting"])]
+    if tracker.tracking and "tracker" in mine:
+        problems += [f"tracker.{p}" for p in GradientTracker.state_problems(mine["tracker"], parameters)]
     return [f"mogo.{problem}" for problem in problems]

@@ -16,9 +16,12 @@ from typing import Any
 
 from mogo.aligned_mtl import AlignedMTL
 from mogo.cagrad import CAGrad
+from mogo.gated import GatedProjection
 from mogo.imtl_g import IMTLG
+from mogo.modo import MoDo
 from mogo.nash_mtl import NashMTL
 from mogo.pcgrad import PCGrad
+from mogo.sdmgrad import SDMGrad
 from mogo.upgrad import UPGrad
 from mogo.weighting import MinNorm, WeightedSum, Weighting
 
@@ -157,6 +160,9 @@ WEIGHTINGS = Registry(
         "imtl_g": IMTLG,
         "aligned_mtl": AlignedMTL,
         "pcgrad": PCGrad,
+        "modo": MoDo,
+        "sdmgrad": SDMGrad,
+        "gated_projection": GatedProjection,
     },
 )
 """Every registered weighting: the factory is called with the weighting's options as keyword arguments."""

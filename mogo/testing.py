@@ -3,18 +3,29 @@
 The families are the inputs on which published solvers fail: rank-deficient sets (K larger than
 the dimension), exactly opposite gradients (optimum 0), duplicates, zero gradients, norms spread
 over many decades, nearly collinear sets. Tests and benchmarks draw from the same generators, so a
-benchmark table and a property test speak about the same problems.
+benchmark table and a property test speak about the same problems. :class:`NoisyObjectives` draws
+batch gradients with known expected gradients and controlled sampling noise.
 """
 
 from __future__ import annotations
 
 from collections.abc import Callable
+from dataclasses import dataclass
 
 import numpy as np
 import torch
 from torch import Tensor
 
-__all__ = ["FAMILIES", "assert_min_norm_optimal", "gradient_family", "rank_deficient"]
+__all__ = [
+    "FAMILIES",
+    "STUDY_BATCH",
+    "NoisyObjectives",
+    "assert_min_norm_optimal",
+    "gradient_family",
+    "noise_study",
+    "planted_conflict",
+    "rank_deficient",
+]
 
 
 def _gaussian(rng: np.random.Generator, K: int, dim: int) -> np.ndarray:
@@ -142,3 +153,106 @@ def assert_min_norm_optimal(G: Tensor, alpha: Tensor, *, tol: float = 1e-9) -> N
     assert bool((below <= tol).all()), f"KKT violated: (G alpha)_i below alpha^T G alpha by {below.max():.3g}"
     off_support = (alpha * (g - value)).abs().amax(-1)
     assert bool((off_support <= tol).all()), f"complementarity violated by {off_support.max():.3g}"
+
+
+@dataclass(frozen=True)
+class NoisyObjectives:
+    """K objectives with known expected gradients whose per-sample gradients carry noise that
+    co-varies across objectives as their per-sample advantages do.
+
+    Sample i's gradient of objective k is ``mu_k + s_k a_ik h_i``: ``h_i ~ N(0, I / P)`` is the
+    sample's own direction in the ``P`` parameters (``E ||h_i||^2 = 1``), shared by its K
+    objectives, and its advantages ``a_i ~ N(0, C)`` weigh it per objective. A batch's
+    gradient (the mean over its samples) has the expectation ``mu_k`` and the noise
+    ``n_k = s_k mean_i a_ik h_i``, whose Gram matrix has the expectation
+    ``diag(s) C diag(s) / batch``: the same-batch Gram matrix's bias, which the advantages'
+    correlation ``C`` shapes.
+
+    Attributes:
+        expected: ``(K, P)`` float64, the expected gradients ``mu_k``.
+        noise: ``(K,)`` float64, ``s_k``, the per-sample noise scale.
+        correlation: ``(K, K)`` float64 correlation matrix ``C`` of the advantages.
+    """
+
+    expected: np.ndarray
+    noise: np.ndarray
+    correlation: np.ndarray
+
+    @classmethod
+    def with_signal_fraction(
+        cls, expected: np.ndarray, correlation: np.ndarray, fraction: float, batch: int
+    ) -> NoisyObjectives:
+        """Noise scaled so that ``||mu_k||^2`` is ``fraction`` of ``E ||g_k||^2`` at ``batch``
+        samples: ``s_k^2 = batch ||mu_k||^2 (1 / fraction - 1)``."""
+        squared_norms = (expected**2).sum(axis=1)
+        return cls(expected, np.sqrt(batch * squared_norms * (1 / fraction - 1)), correlation)
+
+    @property
+    def gram(self) -> np.ndarray:
+        """``(K, K)`` the Gram matrix of the expected gradients, ``M M^T``."""
+        return self.expected @ self.expected.T
+
+    def noise_gram(self, batch: int) -> np.ndarray:
+        """``(K, K)`` the expected Gram matrix of a ``batch``'s noise, ``diag(s) C diag(s) / batch``."""
+        return self.noise[:, None] * self.correlation * self.noise[None, :] / batch
+
+    def halves(self, rng: np.random.Generator, batch: int) -> tuple[np.ndarray, np.ndarray]:
+        """The ``(K, P)`` gradients of two disjoint halves (``batch // 2`` samples each) of a
+        batch; the batch's gradient is their mean."""
+        return self.batch(rng, batch // 2), self.batch(rng, batch // 2)
+
+    def averaged_grams(
+        self, rng: np.random.Generator, batches: int, size: int
+    ) -> tuple[np.ndarray, np.ndarray]:
+        """The same-batch Gram matrix and the cross-fitted estimate ``(G_12 + G_21) / 2`` of
+        ``batches`` batches of ``size`` samples, each averaged over the batches, ``(K, K)``."""
+        K = len(self.expected)
+        same, cross = np.zeros((K, K)), np.zeros((K, K))
+        for _ in range(batches):
+            first, second = self.halves(rng, size)
+            batch = (first + second) / 2
+            same += batch @ batch.T
+            product = first @ second.T
+            cross += (product + product.T) / 2
+        return same / batches, cross / batches
+
+    def batch(self, rng: np.random.Generator, size: int) -> np.ndarray:
+        """The ``(K, P)`` gradient of a batch of ``size`` samples (the mean of theirs)."""
+        K, P = self.expected.shape
+        advantages = rng.multivariate_normal(np.zeros(K), self.correlation, size=size)  # (size, K)
+        directions = rng.standard_normal((size, P)) / np.sqrt(P)
+        return self.expected + self.noise[:, None] * (advantages.T @ directions) / size
+
+
+STUDY_BATCH = 64
+"""Samples per batch of :func:`noise_study` and :func:`planted_conflict`, at which the expected
+gradients hold 5 % of a batch gradient's squared norm (as measured on the NFT gradients of 64
+images: a cosine of 0.05 between two batches)."""
+
+
+def _orthonormal_rows(rng: np.random.Generator, dim: int, count: int) -> np.ndarray:
+    return np.linalg.qr(rng.standard_normal((dim, count)))[0].T
+
+
+def noise_study(seed: int = 1, dim: int = 1000) -> NoisyObjectives:
+    """Three objectives at 5 % signal whose advantages' correlation differs: the first two's
+    correlate (0.8), the third's hardly (0.2), so the noise of one batch leans the min-norm
+    weights towards the third. Their true min-norm weights leave the second out."""
+    basis = _orthonormal_rows(np.random.default_rng(seed), dim, 3)
+    expected = np.stack(
+        [basis[0], 0.9 * basis[0] + 1.2 * basis[1], -0.2 * basis[0] + 0.3 * basis[1] + 0.6 * basis[2]]
+    )
+    correlation = np.array([[1.0, 0.8, 0.2], [0.8, 1.0, 0.2], [0.2, 0.2, 1.0]])
+    return NoisyObjectives.with_signal_fraction(expected, correlation, 0.05, STUDY_BATCH)
+
+
+def planted_conflict(seed: int = 3, dim: int = 2000, conflict: bool = True) -> NoisyObjectives:
+    """Three unit expected gradients at 5 % signal, advantages correlated 0.3: with ``conflict``
+    their mean opposes the third, ``<mean, mu_3> = -0.25``; without, the third is turned so that
+    the mean agrees with each, by at least 0.25."""
+    basis = _orthonormal_rows(np.random.default_rng(seed), dim, 3)
+    third = (-0.9 if conflict else 0.3) * basis[0] + 0.2 * basis[2]
+    expected = np.stack([basis[0], 0.8 * basis[0] + 0.6 * basis[1], third])
+    expected /= np.linalg.norm(expected, axis=1, keepdims=True)
+    correlation = np.array([[1.0, 0.3, 0.3], [0.3, 1.0, 0.3], [0.3, 0.3, 1.0]])
+    return NoisyObjectives.with_signal_fraction(expected, correlation, 0.05, STUDY_BATCH)

@@ -14,8 +14,8 @@ from __future__ import annotations
 
 import math
 from abc import ABC, abstractmethod
-from dataclasses import dataclass
-from typing import Literal, NamedTuple, Protocol
+from dataclasses import dataclass, replace
+from typing import ClassVar, Literal, NamedTuple, Protocol
 
 import numpy as np
 import torch
@@ -66,12 +66,18 @@ class Weights:
         scale: ``s``, a 0-d float64 tensor (``sum_k |s alpha_k|``: the weights need not sum to 1).
         solve: the solver's result where one ran: a :class:`mogo.MinNormResult` or a
             :class:`Certificate` (0-d ``iterations`` and ``kkt`` either way).
+        weighed: what the weights, and ``solve``'s certificate, are of: ``"gram"``, the Gram
+            matrix given; ``"nearest_gram"``, the nearest Gram matrix of a declared
+            :class:`mogo.GramEstimate` (the certificate is of that matrix, not of the estimate,
+            which is indefinite where noise exceeds signal); ``"estimate"``, the estimate itself
+            (a weighting that reads it, :attr:`mogo.CheckedWeighting.reads_estimate`).
     """
 
     alpha: Tensor
     divisor: Tensor
     scale: Tensor
     solve: MinNormResult | Certificate | None = None
+    weighed: Literal["gram", "nearest_gram", "estimate"] = "gram"
 
     @property
     def loss_weights(self) -> Tensor:
@@ -152,12 +158,22 @@ class CheckedWeighting(ABC):
 
     Calling it checks ``G`` by :func:`mogo.check_gram` (a :class:`mogo.GramEstimate` may be
     indefinite) and the weights by :meth:`Weights.check`, each raising a ``ValueError`` that
-    names the problem.
+    names the problem, and records in :attr:`Weights.weighed` whether the weights are of a
+    declared estimate's nearest Gram matrix or of the estimate itself.
     """
+
+    #: Whether :meth:`weigh` reads a declared estimate itself (:attr:`mogo.CheckedGram.estimate`
+    #: or ``cross``), as a stochastic method that needs the unbiased matrix does, rather than only
+    #: its nearest Gram matrix ``host``.
+    reads_estimate: ClassVar[bool] = False
 
     def __call__(self, gram: Tensor | GramEstimate, losses: Tensor) -> Weights:
         """The weights for ``gram`` ``(K, K)`` and ``losses`` ``(K,)``, both checked."""
-        return self.weigh(check_gram(gram), losses).check(self)
+        checked = check_gram(gram)
+        weights = self.weigh(checked, losses).check(self)
+        if checked.estimate is None:
+            return weights
+        return replace(weights, weighed="estimate" if self.reads_estimate else "nearest_gram")
 
     @abstractmethod
     def weigh(self, gram: CheckedGram, losses: Tensor) -> Weights:

@@ -40,10 +40,29 @@ def losses_of(model: torch.nn.Module, x: torch.Tensor, y: torch.Tensor) -> torch
     return ((model(x) - y) ** 2).mean(0)
 
 
-def make_optimizer(model, every, distributed=None, nonfinite="raise") -> mogo.HarmonizedOptimizer:
+def halves_losses_of(
+    model: torch.nn.Module, x: torch.Tensor, y: torch.Tensor, chunks: int = 1
+) -> torch.Tensor:
+    """``(2, K)``: the mean losses of two halves of the batch, half h made of the h-th half of
+    each of its ``chunks`` (the ranks' slices), so that one process on the whole batch with
+    ``chunks`` = world size sees the halves that the ranks' halves, averaged, make."""
+    errors = (model(x) - y) ** 2
+    parts = [chunk.chunk(2) for chunk in errors.chunk(chunks)]
+    return torch.stack([torch.cat([part[h] for part in parts]).mean(0) for h in (0, 1)])
+
+
+def make_optimizer(
+    model, every, distributed=None, nonfinite="raise", gram="same_batch"
+) -> mogo.HarmonizedOptimizer:
     inner = torch.optim.Adam(model.parameters(), lr=0.05)
     return mogo.HarmonizedOptimizer(
-        inner, K, harmonize_every=every, alpha_ema=0.5, distributed=distributed, nonfinite=nonfinite
+        inner,
+        K,
+        harmonize_every=every,
+        alpha_ema=0.5,
+        distributed=distributed,
+        nonfinite=nonfinite,
+        gram=gram,
     )
 
 
@@ -52,11 +71,15 @@ def sqrt_at_zero(tensor: torch.Tensor) -> torch.Tensor:
     return torch.sqrt(((tensor - tensor.detach()) ** 2).sum())
 
 
-def train(model, opt, rank=0, world=1, nan_at=None, spread=False, clip=None, nan_gradient=False) -> dict:
+def train(
+    model, opt, rank=0, world=1, nan_at=None, spread=False, clip=None, nan_gradient=False, halves_of=None
+) -> dict:
     """STEPS steps on this rank's slice of the batch; NaN in objective 1 on the last rank at
     step ``nan_at`` (``spread``: into the shared graph too; ``nan_gradient``: a finite loss
     whose gradient is NaN); ``clip``: the gradient norm is clipped between ``harmonize`` and
-    ``step``. Returns alpha and parameters after each step, and what raised."""
+    ``step``; ``halves_of``: the slice's ``(2, K)`` halves' losses come from
+    ``halves_losses_of`` over that many chunks (``gram="cross_fitted"``). Returns alpha and
+    parameters after each step, and what raised."""
     alphas, params, raised = [], [], None
     # accelerate's wrapper holds ours as .optimizer
     harmonized = opt if isinstance(opt, mogo.HarmonizedOptimizer) else opt.optimizer
@@ -64,7 +87,7 @@ def train(model, opt, rank=0, world=1, nan_at=None, spread=False, clip=None, nan
         x, y = data(step)
         x, y = x.chunk(world)[rank], y.chunk(world)[rank]
         opt.zero_grad()
-        losses = losses_of(model, x, y)
+        losses = losses_of(model, x, y) if halves_of is None else halves_losses_of(model, x, y, halves_of)
         if step == nan_at and rank == world - 1 and nan_gradient:
             losses = losses + sqrt_at_zero(next(model.parameters())) * torch.tensor([0.0, 1.0, 0.0])
         elif step == nan_at and rank == world - 1:
@@ -89,9 +112,12 @@ def train(model, opt, rank=0, world=1, nan_at=None, spread=False, clip=None, nan
     return {"alphas": alphas, "params": params, "raised": raised}
 
 
-def train_single(every: int, clip: float | None = None) -> dict:
+def train_single(every: int, clip: float | None = None, gram: str = "same_batch", world: int = 2) -> dict:
+    """One process on the whole batch; with ``gram="cross_fitted"``, on the halves that
+    ``world`` ranks' halves make."""
     model = build().double()
-    return train(model, make_optimizer(model, every), clip=clip)
+    halves_of = world if gram == "cross_fitted" else None
+    return train(model, make_optimizer(model, every, gram=gram), clip=clip, halves_of=halves_of)
 
 
 def ddp_runs(rank: int, world: int) -> dict:
@@ -112,6 +138,12 @@ def ddp_runs(rank: int, world: int) -> dict:
             distributed = mogo.DataParallel(model if layout == "ddp" else None)
             opt = make_optimizer(model, every, distributed)
             results[f"{layout}_clip_every{every}"] = train(model, opt, rank, world, clip=CLIP)
+            model = build().double()
+            if layout == "ddp":
+                model = torch.nn.parallel.DistributedDataParallel(model)
+            distributed = mogo.DataParallel(model if layout == "ddp" else None)
+            opt = make_optimizer(model, every, distributed, gram="cross_fitted")
+            results[f"{layout}_cross_fitted_every{every}"] = train(model, opt, rank, world, halves_of=1)
     for policy in ("raise", "skip", "drop"):
         for nan_at in (1, 2):  # with N=2: an amortized step, then a harmonization step
             model = torch.nn.parallel.DistributedDataParallel(build().double())

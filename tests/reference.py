@@ -1,10 +1,12 @@
-"""Independent references for the min-norm problem, used only by the tests."""
+"""Independent references for the min-norm problem and the optimizer's gradients, used only by
+the tests."""
 
 from __future__ import annotations
 
 import itertools
 
 import numpy as np
+import torch
 
 
 def brute_force_min_norm(G: np.ndarray) -> float:
@@ -72,3 +74,22 @@ def cvxpy_min_norm(J: np.ndarray) -> float | None:
     weights = np.clip(alpha.value, 0.0, None)
     weights /= weights.sum()
     return float(np.sum((J.T @ weights) ** 2)) * scale**2
+
+
+def per_objective_gradients(
+    losses: torch.Tensor, params: list[torch.Tensor]
+) -> tuple[list[torch.Tensor], torch.Tensor]:
+    """One backward per loss, as the optimizer's ``grad_mode="sequential"`` takes them: the stacked
+    gradients ``[K, *p.shape]`` per parameter (``mogo.gramian`` of them is the Gram matrix the
+    optimizer forms, bit for bit) and the flat ``(K, P)`` Jacobian."""
+    rows = [torch.autograd.grad(loss, params, retain_graph=True) for loss in losses]
+    stacked = [torch.stack(grads) for grads in zip(*rows, strict=True)]
+    return stacked, torch.cat([g.reshape(len(losses), -1) for g in stacked], dim=1)
+
+
+def noisy_regression(model: torch.nn.Module, step: int, inputs: int, K: int = 3) -> torch.Tensor:
+    """``(K,)`` float64 mean squared errors of ``model`` on a batch of 16 with random targets,
+    drawn from ``step``'s seed."""
+    generator = torch.Generator().manual_seed(step)
+    x = torch.randn(16, inputs, generator=generator, dtype=torch.float64)
+    return ((model(x) - torch.randn(16, K, generator=generator, dtype=torch.float64)) ** 2).mean(0)

@@ -32,8 +32,10 @@ def accelerate_launch(tmp_path_factory) -> list[dict]:
     return launch([*launch_accelerate(), WORKER, str(out), "--accelerate"], out)
 
 
-def assert_matches_one_process(run: dict, every: int, clip: float | None = None) -> None:
-    reference = worker.train_single(every, clip)
+def assert_matches_one_process(
+    run: dict, every: int, clip: float | None = None, gram: str = "same_batch"
+) -> None:
+    reference = worker.train_single(every, clip, gram)
     assert len(run["params"]) == len(reference["params"]) == worker.STEPS
     for ours, theirs in zip(run["alphas"], reference["alphas"], strict=True):
         torch.testing.assert_close(ours, theirs, rtol=0, atol=1e-6)
@@ -53,6 +55,13 @@ def test_two_ranks_on_half_batches_match_one_process_on_the_full_batch(torchrun,
 def test_clipping_between_harmonize_and_step_sees_the_averaged_gradients(torchrun, layout, every):
     for rank in torchrun:
         assert_matches_one_process(rank[f"{layout}_clip_every{every}"], every, worker.CLIP)
+
+
+@pytest.mark.parametrize("every", [1, 3])
+@pytest.mark.parametrize("layout", ["ddp", "unwrapped"])
+def test_cross_fitted_halves_averaged_over_two_ranks_match_one_process(torchrun, layout, every):
+    for rank in torchrun:
+        assert_matches_one_process(rank[f"{layout}_cross_fitted_every{every}"], every, gram="cross_fitted")
 
 
 @pytest.mark.parametrize("every", [1, 3])

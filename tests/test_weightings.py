@@ -547,7 +547,9 @@ def test_every_weighting_refuses_a_bad_gram_matrix_naming_what_is_wrong(name, fa
             build(name, 2)(G, torch.ones(2))
 
 
-@pytest.mark.parametrize("name", sorted(mogo.WEIGHTINGS))  # TorchJD's UPGrad overflows tr(G)
+# TorchJD's UPGrad overflows tr(G); MoDo's step size is in units of 1 / G (the paper's and
+# TorchJD's), so its weights depend on G's scale by design.
+@pytest.mark.parametrize("name", sorted(set(mogo.WEIGHTINGS) - {"modo"}))
 def test_every_weighting_weighs_a_gram_matrix_near_overflow_as_it_does_a_small_one(name):
     # The entries' sum overflows (the fast check's test of finiteness), and (G + G^T) / 2 would:
     # every step must stay finite. 2**1023 scales exactly; the normalisations that are not
@@ -654,6 +656,8 @@ def test_a_declared_estimate_is_weighed_as_its_nearest_gram_matrix(S):
             mogo.check_gram(S)
     plain = torch.from_numpy(checked.host.copy())
     for name in NAMES:
+        if build(name, K).reads_estimate:  # the estimate itself: tests/test_modo_sdmgrad.py, test_gated.py
+            continue
         weights = build(name, K)(mogo.GramEstimate(S), torch.ones(K)).loss_weights
         assert torch.equal(weights, build(name, K)(plain, torch.ones(K)).loss_weights), name
 
@@ -782,6 +786,7 @@ def flat_grad(model: torch.nn.Module) -> torch.Tensor:
 FACTORIES = {
     **{name: (lambda name=name: mogo.make_weighting(name)) for name in DETERMINISTIC},
     "pcgrad": lambda: mogo.PCGrad(seed=5),
+    "modo": mogo.MoDo,  # a second instance steps alike; SDMGrad: tests/test_modo_sdmgrad.py (float64)
     "torchjd_upgrad": lambda: mogo.TorchJDWeighting(torchjd_aggregation.UPGradWeighting()),
 }
 
