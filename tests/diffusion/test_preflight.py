@@ -82,7 +82,8 @@ def test_the_sd35m_transformer_is_counted_on_the_meta_device():
     targets = tuple(f".{t}" for t in LORA_TARGETS)
     linears = [m for n, m in transformer.named_modules() if n.endswith(targets) and isinstance(m, nn.Linear)]
     assert sum(32 * (m.in_features + m.out_features) for m in linears) == L
-    assert report.buffer_bytes == 5 * L * 4
+    assert report.memory.buffers == (5 + 1) * L * 4  # K = 5 gradients and the KL term's, float32
+    assert report.memory.merged == 2 * sum(m.in_features * m.out_features for m in linears)  # bfloat16
 
 
 @pytest.fixture(scope="module")
@@ -126,7 +127,7 @@ def test_check_passes_on_the_tiny_model_and_counts_what_the_trainer_trains(tiny_
     models.add_lora(transformer, 4, 8.0)
     L = sum(p.numel() for p in models.lora_parameters(transformer))
     assert report.lora_parameters == L
-    assert report.buffer_bytes == 2 * L * 4
+    assert report.memory.buffers == (2 + 1) * L * 4  # K = 2 and the KL term (nft.kl_coef > 0)
 
 
 def test_check_names_every_missing_file_and_its_download_command(tmp_path, capsys, monkeypatch):
@@ -203,7 +204,7 @@ def test_every_shipped_config_passes_the_check_up_to_missing_weights_and_prompts
     """Here nothing is downloaded: each problem is a missing file with the command that fetches it."""
     report = preflight(load_config(path))
     assert report.transformer_parameters is not None
-    assert report.peak_bytes is not None
+    assert report.memory is not None
     for problem in report.problems:
         assert "hf download " in problem or "git clone https://github.com/NVlabs/DiffusionNFT" in problem, (
             problem
