@@ -463,10 +463,8 @@ def _convert(value: Any, tp: Any, path: str) -> Any:
     if origin is dict:
         if not isinstance(value, dict) or not all(isinstance(k, str) for k in value):
             raise ConfigError(f"{path}: expected a mapping with string keys, got {value!r}")
-        _check_free_form(value, path)
         return dict(value)
     if tp is Any:
-        _check_free_form(value, path)
         return value
     if tp is float and isinstance(value, int | float) and not isinstance(value, bool):
         if not math.isfinite(value):
@@ -493,7 +491,11 @@ def _check_free_form(value: Any, path: str) -> None:
 
 
 def _check_ranges(node: Any, path: str) -> None:
-    """The fields' ``check`` metadata, through nested dataclasses and lists of them."""
+    """The fields' ``check`` metadata, through nested dataclasses and lists of them, and the
+    free-form mappings in them (:func:`_check_free_form`)."""
+    if isinstance(node, dict):
+        _check_free_form(node, path)
+        return
     if isinstance(node, list):
         for i, item in enumerate(node):
             _check_ranges(item, _join(path, i))
