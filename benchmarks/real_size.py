@@ -30,7 +30,7 @@ AdamW moments) and the merged adapter with the activations (the amortized step's
 start).
 Writes ``real_size.json`` and ``real_size.rst`` (the tables of docs/benchmarks.rst) to ``--out``.
 
-    python benchmarks/real_size.py --out docs/_generated    # about 10 minutes on 2 cores, < 12 GB
+    python benchmarks/real_size.py --out docs/_generated    # 11 to 13 minutes on 2 cores, 12 GB
     python benchmarks/real_size.py --tiny --out /tmp/tiny   # the same code on the tiny SD3 (a test)
 """
 

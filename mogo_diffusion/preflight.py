@@ -39,7 +39,7 @@ for the CPU too), so the estimate is the same for both. ``benchmarks/real_size.p
 against a real-size run on a CPU (docs/benchmarks.rst, "SD3.5-M's size on a CPU"): weights, LoRA
 and buffers within 7 %, the amortized step's merged adapter and activations 3.32 GB against 3.23
 when glibc returns freed blocks to the system (``MALLOC_MMAP_THRESHOLD_=1048576``); with its
-defaults the resident memory runs 1.4 GB higher, blocks below 32 MB staying in its heap.
+defaults the step's resident memory rises 4.46 GB, freed blocks below 32 MB staying in its heap.
 
 Not counted: the reward models, and the batched backward that ``strategy.grad_mode: auto`` tries
 first for MARBLE's K + 1 gradients: it keeps K + 1 rows of the backward's intermediates, which took

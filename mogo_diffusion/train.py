@@ -36,11 +36,11 @@ from dataclasses import dataclass, replace
 from pathlib import Path
 from typing import Any, NamedTuple
 
+import diffusers
 import torch
 from accelerate import Accelerator
 from accelerate.tracking import get_available_trackers
 from accelerate.utils import LoggerType
-from diffusers import StableDiffusion3Pipeline
 from tqdm.auto import tqdm
 
 from mogo._extras import MissingExtraError, require
@@ -300,7 +300,7 @@ class Trainer:
         *,
         strategy: Strategy | None = None,
         scaler: torch.amp.GradScaler | None = None,
-        pipeline: StableDiffusion3Pipeline | None = None,
+        pipeline: diffusers.StableDiffusion3Pipeline | None = None,
     ) -> None:
         check_config(config)
         self.config = config
