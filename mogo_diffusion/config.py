@@ -9,9 +9,10 @@ A file sets any subset of the fields below; the rest keep their defaults, which 
 published SD3.5-Medium multi-reward DiffusionNFT recipe. Values are parsed by ``yaml.safe_load``
 rules, except that ``1e-4`` is a float (YAML 1.2), not the string PyYAML makes of it, and that
 aliases (``*name``) are refused: they would let a few hundred bytes expand to gigabytes when the
-config is saved. Overrides ``KEY=VALUE`` take a dotted key (list entries by index:
-``rewards.0.weight``; the index one past the end appends) and a YAML value (``train.lr=1e-4``,
-``model.lora_targets=[to_q, to_k]``).
+config is saved; a key given twice in one mapping is an error naming both lines (YAML would keep
+the last silently), and so is nesting deeper than :data:`MAX_DEPTH` levels. Overrides
+``KEY=VALUE`` take a dotted key (list entries by index: ``rewards.0.weight``; the index one past
+the end appends) and a YAML value (``train.lr=1e-4``, ``model.lora_targets=[to_q, to_k]``).
 
 ``strategy`` is a tagged union keyed by ``strategy.name``: each strategy has its own fields
 (:class:`MarbleConfig`, :class:`WeightedSumConfig`, :class:`SequentialConfig`,
@@ -20,11 +21,12 @@ in :data:`mogo.WEIGHTINGS`). Setting ``strategy.name`` to another strategy (in a
 override) starts that strategy's fields from their defaults.
 
 Everything is validated here, and every error is a :class:`ConfigError` naming the dotted field:
-unknown keys (with the closest known key), types, ranges, reward weights against the strategy,
+unknown keys (with the closest known key), removed keys (:data:`REMOVED`, naming what replaces
+them), types, ranges, finite numbers in ``options``, reward weights against the strategy,
 sequential stages and the single strategy's reward against the configured rewards, and a local
 model directory that does not exist. This module imports neither torch nor the rewards: reward
-names and options, and weighting names, are checked when the trainer is built
-(:func:`mogo_diffusion.train.check_config`).
+names and options, weighting names, and what needs the file system or the model are checked by
+:func:`mogo_diffusion.train.check_config`, which the trainer and ``--check`` both run.
 """
 
 from __future__ import annotations
@@ -45,6 +47,8 @@ import yaml
 __all__ = [
     "HUB_ID",
     "LORA_TARGETS",
+    "MAX_DEPTH",
+    "REMOVED",
     "Config",
     "ConfigError",
     "HarmonizedConfig",
@@ -77,6 +81,18 @@ FRACTION: Check = ("in (0, 1]", lambda x: 0 < x <= 1)
 DECAY: Check = ("in [0, 1)", lambda x: 0 <= x < 1)
 NON_EMPTY: Check = ("non-empty", bool)
 _INT64 = 2**63  # every int field must fit a signed 64-bit integer (torch's and numpy's)
+_FLOAT32_MAX = 3.4028234663852886e38  # the rewards are weighed in float32
+
+MAX_DEPTH = 32
+"""Levels of nesting a config value may have, counted in keys of its dotted path (the schema uses
+four, ``rewards.0.options.<key>``; free-form ``options`` may nest further)."""
+
+REMOVED: dict[str, str] = {
+    "sampling.steps_per_epoch": "nothing read it; train.steps_per_epoch is the field (optimizer steps "
+    "per epoch)",
+}
+"""Fields that were removed, with why and what replaces them. Setting one is a :class:`ConfigError`
+that says so; ``null`` (how every run directory saved before the removal holds it) is ignored."""
 
 
 def _field(default: Any = dataclasses.MISSING, *, check: Check) -> Any:
@@ -153,7 +169,10 @@ class SamplingConfig:
         num_steps: sampler steps per image in training (10 single-reward, 25 multi-reward).
         eval_num_steps: sampler steps in evaluation.
         solver: the ODE solver.
-        resolution: image side in pixels, a multiple of 16.
+        resolution: the side in pixels of the square images sampled in training and evaluation, a
+            multiple of 16: the latents are ``resolution / vae_scale_factor`` on a side
+            (:func:`mogo_diffusion.models.latent_size`, which the trainer checks against the
+            model when it starts).
         group_size: images per prompt, G >= 2 (advantages are relative to the group).
         prompts_per_epoch: prompt groups sampled per epoch.
         prompts: the training prompts: a source of :func:`mogo_diffusion.prompts.load_prompt_set`
@@ -172,7 +191,6 @@ class SamplingConfig:
     prompts: str | list[PromptSource] | None = field(default=None, metadata={"check": NON_EMPTY})
     eval_prompts: str | None = None
     batch_size: int = _field(9, check=POSITIVE)
-    steps_per_epoch: int | None = _field(None, check=POSITIVE)
 
 
 @dataclass
@@ -395,7 +413,10 @@ def _build(cls: type, data: Any, path: str) -> Any:
         raise ConfigError(f"{path or 'config'}: expected a mapping, got {type(data).__name__} {data!r}")
     fields = dataclasses.fields(cls)
     names = [f.name for f in fields]
+    data = {key: value for key, value in data.items() if not (_join(path, key) in REMOVED and value is None)}
     for key in data:
+        if _join(path, key) in REMOVED:
+            raise ConfigError(f"{_join(path, key)}: this field was removed: {REMOVED[_join(path, key)]}")
         if key not in names:
             owner = f"strategy {data.get('name', 'marble')!r}" if path == "strategy" else path or "config"
             raise ConfigError(
@@ -456,8 +477,25 @@ def _convert(value: Any, tp: Any, path: str) -> Any:
     raise ConfigError(f"{path}: expected {tp.__name__}, got {type(value).__name__} {value!r}")
 
 
+def _check_free_form(value: Any, path: str) -> None:
+    """A value the schema does not type (``options``): nested at most :data:`MAX_DEPTH` keys deep
+    (deeper ones overflow the recursion of saving and copying), its numbers finite, as typed
+    floats must be (an infinite weighting scale or reward option breaks training later)."""
+    if len(path.split(".")) > MAX_DEPTH:
+        raise ConfigError(f"{path}: nested deeper than {MAX_DEPTH} levels")
+    if isinstance(value, float) and not math.isfinite(value):
+        raise ConfigError(f"{path}: must be finite, got {value!r}")
+    items = value.items() if isinstance(value, dict) else enumerate(value) if isinstance(value, list) else ()
+    for key, item in items:
+        _check_free_form(item, _join(path, key))
+
+
 def _check_ranges(node: Any, path: str) -> None:
-    """The fields' ``check`` metadata, through nested dataclasses and lists of them."""
+    """The fields' ``check`` metadata, through nested dataclasses and lists of them, and the
+    free-form mappings in them (:func:`_check_free_form`)."""
+    if isinstance(node, dict):
+        _check_free_form(node, path)
+        return
     if isinstance(node, list):
         for i, item in enumerate(node):
             _check_ranges(item, _join(path, i))
@@ -521,6 +559,12 @@ def _check_strategy(config: Config) -> None:
             f"rewards.{weighted.index(False)}.weight: give a weight for every reward or for none "
             f"(rewards.{weighted.index(True)} has one)"
         )
+    elif all(weighted) and isinstance(strategy, MarbleConfig) and not any(spec.weight for spec in rewards):
+        raise ConfigError(
+            f"rewards: every weight is 0; the {strategy.name} strategy weighs the weighted-sum baseline "
+            "of its conflict diagnostics by them and needs a positive one (or give no weights)"
+        )
+    _check_weight_scale(rewards)
 
     def check_reward(name: str, where: str) -> None:
         if name not in names:
@@ -543,18 +587,57 @@ def _check_strategy(config: Config) -> None:
         )
 
 
+def _check_weight_scale(rewards: list[RewardSpec]) -> None:
+    """The weights sum to a float32 number: the trainer weighs the rewards in float32 (a larger
+    weight becomes inf there, and the advantages NaN). Weights are relative: scale them down."""
+    weights = [spec.weight for spec in rewards if spec.weight is not None]
+    if weights and sum(weights) > _FLOAT32_MAX:
+        largest = max(range(len(weights)), key=weights.__getitem__)
+        raise ConfigError(
+            f"rewards.{largest}.weight: the weights sum to {sum(weights):g}, beyond float32's largest "
+            f"number {_FLOAT32_MAX:.4g}, in which the trainer weighs the rewards; they are relative: "
+            f"scale them down"
+        )
+
+
 class _Loader(yaml.SafeLoader):
-    """``yaml.SafeLoader`` that reads YAML 1.2 floats such as ``1e-4`` and refuses aliases."""
+    """``yaml.SafeLoader`` that reads YAML 1.2 floats such as ``1e-4`` and refuses aliases, keys
+    given twice in a mapping and nesting deeper than :data:`MAX_DEPTH`."""
+
+    def __init__(self, stream: str) -> None:
+        super().__init__(stream)
+        self.depth = 0  # the collections around the node being composed
 
     def compose_node(self, parent: Any, index: Any) -> Any:
-        if self.check_event(yaml.AliasEvent):
-            event = self.peek_event()
-            mark = event.start_mark
+        event = self.peek_event()
+        mark = event.start_mark
+        if isinstance(event, yaml.AliasEvent):
             raise ConfigError(
                 f"{mark.name}: line {mark.line + 1}: YAML aliases (*{event.anchor}) are not allowed in a "
                 "config; write the value out"
             )
-        return super().compose_node(parent, index)
+        if self.depth > MAX_DEPTH:  # before the composer's recursion overflows Python's stack
+            raise ConfigError(f"{mark.name}: line {mark.line + 1}: nested deeper than {MAX_DEPTH} levels")
+        self.depth += 1
+        try:
+            return super().compose_node(parent, index)
+        finally:
+            self.depth -= 1
+
+    def construct_mapping(self, node: yaml.MappingNode, deep: bool = False) -> dict[Any, Any]:
+        first: dict[Any, yaml.Node] = {}
+        for key_node, _ in node.value:
+            if not isinstance(key_node, yaml.ScalarNode) or key_node.tag == "tag:yaml.org,2002:merge":
+                continue  # a collection as a key is refused below; ``<<`` merges are YAML's overrides
+            key = self.construct_object(key_node)
+            if key in first:
+                mark, before = key_node.start_mark, first[key].start_mark
+                raise ConfigError(
+                    f"{mark.name}: line {mark.line + 1}: key {key!r} is given twice in one mapping "
+                    f"(first on line {before.line + 1}); YAML would keep the last silently"
+                )
+            first[key] = key_node
+        return super().construct_mapping(node, deep=deep)
 
 
 _Loader.add_implicit_resolver(

@@ -7,6 +7,11 @@ directory laid out by ``save_pretrained``. Weights are read from safetensors fil
 Tiny models. :func:`tiny_sd3` builds a complete :class:`~diffusers.StableDiffusion3Pipeline` from
 configs with seeded random weights and tokenizers built in memory (:mod:`mogo_diffusion.tokenizers`):
 no file is read. It saves with ``save_pretrained`` and loads back through :func:`load_pipeline`.
+:func:`tiny_pipeline` puts the same tiny text encoders and VAE, at the widths a transformer reads,
+around any transformer: SD3.5-M's at its real size, say, built from its config.
+
+Geometry. Square images of ``resolution`` pixels are latents of :func:`latent_size` a side, which
+the trainer samples and ``--check`` counts.
 
 LoRA. DiffusionNFT evaluates one transformer three ways: the trained adapter (``"default"``), the
 old sampling adapter (``"old"``, an EMA of the trained one) and the base model (adapters disabled,
@@ -27,7 +32,7 @@ from __future__ import annotations
 import os
 import warnings
 import weakref
-from collections.abc import Iterator, Sequence
+from collections.abc import Iterator, Mapping, Sequence
 from contextlib import AbstractContextManager, contextmanager
 from pathlib import Path
 from typing import Any
@@ -69,12 +74,14 @@ __all__ = [
     "ema_update",
     "encode_prompts",
     "fused",
+    "latent_size",
     "load_component",
     "load_pipeline",
     "lora_parameters",
     "merged",
     "reference",
     "save_lora",
+    "tiny_pipeline",
     "tiny_sd3",
 ]
 
@@ -257,7 +264,6 @@ def tiny_sd3(
     if max_sequence_length < 2:
         raise ValueError(f"max_sequence_length must be >= 2, got {max_sequence_length}")
     size = TINY_PRESETS[preset]
-    clip_width, t5_width = 32, 64
     with torch.random.fork_rng(devices=[]):
         torch.manual_seed(seed)
         transformer = SD3Transformer2DModel(
@@ -265,63 +271,119 @@ def tiny_sd3(
             patch_size=2,
             in_channels=16,
             out_channels=16,
-            joint_attention_dim=t5_width,
+            joint_attention_dim=64,
             caption_projection_dim=size["num_attention_heads"] * size["attention_head_dim"],
-            pooled_projection_dim=2 * clip_width,
+            pooled_projection_dim=64,
             pos_embed_max_size=8,
             dual_attention_layers=(0,),
             qk_norm="rms_norm",
             **size,
         )
-        vae = AutoencoderKL(
-            in_channels=3,
-            out_channels=3,
-            down_block_types=("DownEncoderBlock2D",) * 3,
-            up_block_types=("UpDecoderBlock2D",) * 3,
-            block_out_channels=(16, 32, 32),
-            layers_per_block=1,
-            latent_channels=16,
-            norm_num_groups=8,
-            sample_size=32,
-            use_quant_conv=False,
-            use_post_quant_conv=False,
-            shift_factor=0.0609,
-            scaling_factor=1.5305,
+        pipeline = _around(transformer, 4, max_sequence_length, max_sequence_length, corpus)
+    return pipeline if torch_dtype == torch.float32 else pipeline.to(dtype=torch_dtype)
+
+
+def tiny_pipeline(
+    transformer: SD3Transformer2DModel,
+    *,
+    vae_scale_factor: int = 8,
+    clip_length: int = 77,
+    t5_length: int = 256,
+    seed: int = 0,
+    corpus: Sequence[str] = DEFAULT_CORPUS,
+) -> StableDiffusion3Pipeline:
+    """An SD3 pipeline of ``transformer`` whose text encoders and VAE are tiny random stand-ins
+    (float32, built as :func:`tiny_sd3`'s) with the output widths and geometry it reads.
+
+    The T5 stand-in is ``joint_attention_dim`` wide, the CLIP stand-ins project to half of
+    ``pooled_projection_dim`` each, and the VAE has ``in_channels`` latent channels and
+    ``log2(vae_scale_factor) + 1`` levels: prompt embeddings are ``[B, clip_length + L, D]`` and
+    images ``vae_scale_factor`` pixels per latent a side, as SD3.5's (``clip_length`` 77, a scale
+    factor of 8), but the components compute next to nothing. For a pipeline of a transformer
+    too large to save or download, e.g. SD3.5-M's built from its config with random weights.
+
+    Args:
+        transformer: an SD3 transformer (any dtype and size; it is not copied).
+        vae_scale_factor: pixels per latent a side, a power of 2.
+        clip_length: the CLIP tokenizers' length (CLIP pads to it).
+        t5_length: the T5 tokenizer's longest input (:func:`encode_prompts` reads at most 256).
+        seed: seed of the stand-ins' weights; the global RNG state is left as it was.
+        corpus: the texts the tokenizers are learned from.
+
+    Raises:
+        ValueError: ``vae_scale_factor`` is not a power of 2, or ``pooled_projection_dim`` is odd.
+    """
+    if vae_scale_factor < 1 or vae_scale_factor & (vae_scale_factor - 1):
+        raise ValueError(f"vae_scale_factor must be a power of 2, got {vae_scale_factor}")
+    if transformer.config.pooled_projection_dim % 2:
+        raise ValueError(
+            f"the transformer's pooled_projection_dim {transformer.config.pooled_projection_dim} is odd: "
+            "the two CLIP encoders' projections add up to it"
         )
-        tokenizers = [clip_tokenizer(corpus, model_max_length=max_sequence_length) for _ in range(2)]
-        clip_encoders = [
-            CLIPTextModelWithProjection(
-                CLIPTextConfig(
-                    vocab_size=len(tokenizer),
-                    hidden_size=clip_width,
-                    intermediate_size=2 * clip_width,
-                    projection_dim=clip_width,
-                    num_hidden_layers=2,
-                    num_attention_heads=4,
-                    max_position_embeddings=max_sequence_length,
-                    bos_token_id=tokenizer.bos_token_id,
-                    eos_token_id=tokenizer.eos_token_id,
-                    pad_token_id=tokenizer.pad_token_id,
-                )
-            )
-            for tokenizer in tokenizers
-        ]
-        tokenizer_3 = t5_tokenizer(corpus, model_max_length=max_sequence_length)
-        text_encoder_3 = T5EncoderModel(
-            T5Config(
-                vocab_size=len(tokenizer_3),
-                d_model=t5_width,
-                d_kv=16,
-                d_ff=2 * t5_width,
-                num_layers=2,
-                num_heads=4,
-                relative_attention_num_buckets=8,
-                feed_forward_proj="gated-gelu",
-                pad_token_id=tokenizer_3.pad_token_id,
-                eos_token_id=tokenizer_3.eos_token_id,
-                decoder_start_token_id=tokenizer_3.pad_token_id,
+    with torch.random.fork_rng(devices=[]):
+        torch.manual_seed(seed)
+        return _around(transformer, vae_scale_factor, clip_length, t5_length, corpus)
+
+
+def _around(
+    transformer: SD3Transformer2DModel,
+    vae_scale_factor: int,
+    clip_length: int,
+    t5_length: int,
+    corpus: Sequence[str],
+) -> StableDiffusion3Pipeline:
+    """The pipeline of :func:`tiny_pipeline`, its stand-ins drawn from the global RNG."""
+    config = transformer.config
+    clip_width, t5_feed_forward = 32, 128
+    vae = AutoencoderKL(
+        in_channels=3,
+        out_channels=3,
+        down_block_types=("DownEncoderBlock2D",) * (vae_scale_factor.bit_length()),
+        up_block_types=("UpDecoderBlock2D",) * (vae_scale_factor.bit_length()),
+        block_out_channels=(16,) + (32,) * (vae_scale_factor.bit_length() - 1),
+        layers_per_block=1,
+        latent_channels=config.in_channels,
+        norm_num_groups=8,
+        sample_size=config.sample_size * vae_scale_factor,
+        use_quant_conv=False,
+        use_post_quant_conv=False,
+        shift_factor=0.0609,
+        scaling_factor=1.5305,
+    )
+    tokenizers = [clip_tokenizer(corpus, model_max_length=clip_length) for _ in range(2)]
+    clip_encoders = [
+        CLIPTextModelWithProjection(
+            CLIPTextConfig(
+                vocab_size=len(tokenizer),
+                hidden_size=clip_width,
+                intermediate_size=2 * clip_width,
+                projection_dim=config.pooled_projection_dim // 2,
+                num_hidden_layers=2,
+                num_attention_heads=4,
+                max_position_embeddings=clip_length,
+                bos_token_id=tokenizer.bos_token_id,
+                eos_token_id=tokenizer.eos_token_id,
+                pad_token_id=tokenizer.pad_token_id,
             )
         )
+        for tokenizer in tokenizers
+    ]
+    tokenizer_3 = t5_tokenizer(corpus, model_max_length=t5_length)
+    text_encoder_3 = T5EncoderModel(
+        T5Config(
+            vocab_size=len(tokenizer_3),
+            d_model=config.joint_attention_dim,
+            d_kv=16,
+            d_ff=t5_feed_forward,
+            num_layers=2,
+            num_heads=4,
+            relative_attention_num_buckets=8,
+            feed_forward_proj="gated-gelu",
+            pad_token_id=tokenizer_3.pad_token_id,
+            eos_token_id=tokenizer_3.eos_token_id,
+            decoder_start_token_id=tokenizer_3.pad_token_id,
+        )
+    )
     pipeline = StableDiffusion3Pipeline(
         transformer=transformer,
         scheduler=FlowMatchEulerDiscreteScheduler(shift=3.0),
@@ -337,7 +399,45 @@ def tiny_sd3(
     for module in pipeline.components.values():
         if isinstance(module, nn.Module):
             module.eval()  # as from_pretrained leaves them (T5 has dropout)
-    return pipeline if torch_dtype == torch.float32 else pipeline.to(dtype=torch_dtype)
+    return pipeline
+
+
+def latent_size(resolution: int, transformer_config: Mapping[str, Any], vae_scale_factor: int) -> int:
+    """The side ``h`` of the latents of square ``resolution``-px images: ``resolution /
+    vae_scale_factor``, which the transformer reads as ``(h / patch_size)^2`` image tokens.
+
+    The transformer's ``sample_size`` is only the pipeline's default; what bounds the side is its
+    positional embedding, ``pos_embed_max_size * patch_size`` latents (none without one).
+
+    Args:
+        resolution: the image side in pixels.
+        transformer_config: the SD3 transformer's config (``patch_size``, ``pos_embed_max_size``).
+        vae_scale_factor: pixels per latent a side (the pipeline's ``vae_scale_factor``,
+            ``2 ** (len(vae.config.block_out_channels) - 1)``).
+
+    Raises:
+        ValueError: ``resolution`` is not a positive multiple of ``vae_scale_factor * patch_size``,
+            or needs more latents than the positional embedding covers; the message names the
+            valid values.
+    """
+    patch, largest = transformer_config["patch_size"], transformer_config.get("pos_embed_max_size")
+    step = vae_scale_factor * patch
+    if resolution < step or resolution % step:
+        below, above = max(step, resolution // step * step), (resolution // step + 1) * step
+        near = f"{below} or {above}" if below < resolution else f"{above}"
+        raise ValueError(
+            f"{resolution} px is not a positive multiple of {step} (the VAE's scale factor "
+            f"{vae_scale_factor} x the transformer's patch_size {patch}); e.g. {near} px"
+        )
+    side = resolution // vae_scale_factor
+    if largest is not None and side > largest * patch:
+        raise ValueError(
+            f"{resolution} px images are {side} x {side} latents (the VAE's scale factor "
+            f"{vae_scale_factor}), more than the transformer's positional embedding covers: "
+            f"pos_embed_max_size {largest} x patch_size {patch} = {largest * patch} latents, "
+            f"{largest * patch * vae_scale_factor} px at most"
+        )
+    return side
 
 
 # Prompts ------------------------------------------------------------------------------------------

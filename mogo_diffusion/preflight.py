@@ -3,27 +3,47 @@
 :func:`preflight` validates the config (:func:`mogo_diffusion.train.check_config`), looks up every
 model it names without downloading anything (local directories and files, the ``huggingface_hub``
 cache), builds the transformer from its config on the ``meta`` device (no memory) to count its
-parameters and the LoRA adapter's, and estimates the memory of one GPU. Every problem is one line
+parameters and the LoRA adapter's, and estimates the memory of one process. Every problem is one line
 naming the field, the file or hub id, and the command that fetches it.
 
-The memory estimate of one process (each GPU holds a whole replica), in bytes, with ``P`` the
-frozen parameters of the pipeline (transformer, text encoders, VAE), ``L`` the trained LoRA
-parameters, ``K`` the rewards and ``d`` the bytes of the model dtype::
+The memory estimate of one process (each GPU holds a whole replica; on a CPU the same terms
+hold), in bytes, with ``P`` the frozen parameters and buffers of the pipeline (transformer, text
+encoders, VAE), ``L`` the trained LoRA parameters, ``K`` the rewards and ``d`` the bytes of the
+model dtype::
 
-    weights      d * P
-    LoRA         4 * L * 6        trained, its gradient, AdamW's two moments, old adapter, eval EMA
-    K buffers    4 * L * K        MARBLE's per-reward gradients (harmonizing strategies only)
-    activations  c * n * b * S * D * a
+    weights         d * P
+    LoRA            (5 * 4 + d) * L   trained, its gradient, AdamW's two moments, eval EMA (float32);
+                                      the old adapter in the model dtype
+    K buffers       4 * L * (K + 1)   MARBLE's per-reward gradients and the KL term's (without KL,
+                                      K; harmonizing strategies only)
+    merged adapter  d * M             W + s B A of the M weights of the adapted layers: formed at
+                                      once for sampling and the old policy's forward
+                                      (:func:`~mogo_diffusion.models.merged`), kept one by one for
+                                      the trained forward's backward (:func:`~mogo_diffusion.models.fused`)
+    activations     b * D * a * (c * n * S + c2 * n2 * I)
 
 where the activations are those autograd keeps for one training forward: ``n`` blocks of width
-``D``, ``b = train.batch_size`` samples of ``S`` tokens (``(resolution / 8 / patch)^2`` image
-tokens plus ``77 + max_sequence_length`` text tokens), ``a`` bytes per value under autocast (2, or 4
-without mixed precision) and ``c = 18`` values per token and block: an estimate, counted from a
-joint block's saved inputs (q, k, v and the attention output, 4; the two projections' inputs, 2;
-the norms' and modulations' outputs, 2; the MLP's input, its 4x hidden before and after GELU,
-1 + 4 + 4; residuals, 1), rounded up for the dual-attention blocks' second attention. Attention
-scores are not kept (scaled-dot-product attention recomputes them). The reward models are not
-counted.
+``D``, ``n2`` of them with dual attention, ``b = train.batch_size`` samples of ``S`` tokens: ``I``
+image tokens (:func:`image_tokens`, from ``sampling.resolution``: what the trainer samples) plus
+``77 + max_sequence_length`` text tokens; ``a`` bytes per value (2 under autocast, else ``d``).
+``c = 18`` values per token and block are counted from a joint block's saved tensors (q, k, v and
+the attention output, 4; q and k before their RMS norm, kept in float32, 4; the projections'
+inputs, 2; the norms' outputs, 2; the MLP's hidden before and after GELU, 4 + 4) and ``c2 = 11``
+per image token for a dual block's second attention (its q, k, v and output, 4; q and k before
+the norm in float32, 4; its input, norm and gate, 3). Measured with ``saved_tensors_hooks`` on
+SD3.5-M at 512 px (torch 2.13, bfloat16 autocast, the CPU): a joint block keeps 18.1 values per
+token beside its 8 merged weights, and the whole forward 2.09 GB of activations (the formula:
+2.08 GB) plus 1.10 GB of merged weights. Attention matrices are not kept, on a GPU nor on a CPU:
+scaled-dot-product attention saves q, k, v, the output and the log-sum-exp (torch's flash kernel
+for the CPU too), so the estimate is the same for both. ``benchmarks/real_size.py`` measures it
+against a real-size run on a CPU (docs/benchmarks.rst, "SD3.5-M's size on a CPU"): weights, LoRA
+and buffers within 7 %, the amortized step's merged adapter and activations 3.32 GB against 3.23
+when glibc returns freed blocks to the system (``MALLOC_MMAP_THRESHOLD_=1048576``); with its
+defaults the step's resident memory rises 4.46 GB, freed blocks below 32 MB staying in its heap.
+
+Not counted: the reward models, and the batched backward that ``strategy.grad_mode: auto`` tries
+first for MARBLE's K + 1 gradients: it keeps K + 1 rows of the backward's intermediates, which took
+a real-size CPU run past 16 GB where ``sequential`` peaked at 12 GB. The report names both.
 """
 
 from __future__ import annotations
@@ -40,7 +60,18 @@ import torch
 
 from mogo_diffusion.config import HUB_ID, Config, ConfigError, MarbleConfig
 
-__all__ = ["ACTIVATION_VALUES", "SD35M", "SD35M_TRANSFORMER", "Report", "preflight", "run"]
+__all__ = [
+    "ACTIVATION_VALUES",
+    "DUAL_ATTENTION_VALUES",
+    "SD35M",
+    "SD35M_TRANSFORMER",
+    "MemoryEstimate",
+    "Report",
+    "estimate_memory",
+    "image_tokens",
+    "preflight",
+    "run",
+]
 
 SD35M = "stabilityai/stable-diffusion-3.5-medium"
 """The hub id of Stable Diffusion 3.5 Medium."""
@@ -73,8 +104,12 @@ _SD35M_OTHERS = {
 # encoder and VAE: used only when their configs are not available offline.
 
 ACTIVATION_VALUES = 18
-"""``c``: values autograd keeps per token and transformer block in a training forward (an estimate,
-see the module)."""
+"""``c``: values autograd keeps per token and transformer block in a training forward (counted
+and measured, see the module)."""
+
+DUAL_ATTENTION_VALUES = 11
+"""``c2``: values autograd keeps per image token for a dual-attention block's second attention
+(see the module)."""
 
 _DATASET_HINT = (  # where the shipped configs' prompt files come from
     " (DiffusionNFT's prompt sets: git clone https://github.com/NVlabs/DiffusionNFT"
@@ -99,6 +134,25 @@ _EXTRA_OF_REWARD = {"ocr": "ocr"}
 _SUGGESTED = {("geneval", "detector"): "facebook/detr-resnet-50"}  # an option without a default
 
 
+@dataclass(frozen=True)
+class MemoryEstimate:
+    """The estimate of one process's peak memory, in bytes, term by term (see the module), and
+    how each term is counted (``counted``, by term name)."""
+
+    weights: int
+    lora: int
+    buffers: int
+    merged: int
+    activations: int
+    counted: dict[str, str] = field(default_factory=dict, compare=False)
+
+    TERMS = ("weights", "lora", "buffers", "merged", "activations")
+
+    @property
+    def total(self) -> int:
+        return sum(getattr(self, term) for term in self.TERMS)
+
+
 @dataclass
 class Report:
     """What :func:`preflight` found.
@@ -107,16 +161,16 @@ class Report:
         lines: what was checked and counted, to print. problems: one line each, naming the field
             and, for missing weights, the command that fetches them.
         transformer_parameters, lora_parameters: the counts (None when not computed).
-        buffer_bytes: the K gradient buffers (0 for strategies that do not harmonize).
-        peak_bytes: the estimate of one GPU's peak memory (see the module).
+        image_tokens: the image tokens of one sample at ``sampling.resolution`` (the trainer's).
+        memory: the estimate of one process's peak memory (see the module).
     """
 
     lines: list[str] = field(default_factory=list)
     problems: list[str] = field(default_factory=list)
     transformer_parameters: int | None = None
     lora_parameters: int | None = None
-    buffer_bytes: int | None = None
-    peak_bytes: int | None = None
+    image_tokens: int | None = None
+    memory: MemoryEstimate | None = None
 
     @property
     def ok(self) -> bool:
@@ -336,8 +390,87 @@ def _gb(n: float) -> str:
     return f"{n:.0f} B"
 
 
+def _vae_scale_factor(folder: Path | None) -> int:
+    """Pixels per latent a side, as the pipeline computes it from its VAE's config (8, SD3's, when
+    the config is not available offline)."""
+    vae = _read_config(folder, "vae")
+    return 2 ** (len(vae["block_out_channels"]) - 1) if vae else 8
+
+
+def image_tokens(config: Config, transformer_config: Any, vae_scale_factor: int) -> int:
+    """The image tokens of one sample: ``(h / patch_size)^2`` for the latents of side ``h`` that the
+    trainer samples (:func:`mogo_diffusion.models.latent_size` of ``sampling.resolution``).
+
+    Raises:
+        ValueError: the resolution does not fit the model (see ``latent_size``).
+    """
+    from mogo_diffusion import models
+
+    side = models.latent_size(config.sampling.resolution, transformer_config, vae_scale_factor)
+    return (side // transformer_config["patch_size"]) ** 2
+
+
+def estimate_memory(
+    config: Config, transformer: torch.nn.Module, frozen_values: int, vae_scale_factor: int
+) -> MemoryEstimate:
+    """The peak memory of one process training ``config`` (see the module for each term).
+
+    Args:
+        config: the run (its resolution valid for this model: :func:`image_tokens`).
+        transformer: its SD3 transformer with the trained LoRA adapter, on any device (``meta``
+            allocates nothing).
+        frozen_values: the frozen parameters and buffers of the whole pipeline.
+        vae_scale_factor: the pipeline's pixels per latent a side.
+    """
+    from peft.tuners.lora import LoraLayer
+
+    from mogo_diffusion import models
+
+    t, dtype, batch = transformer.config, config.model.dtype, config.train.batch_size
+    d = _BYTES[dtype]
+    a = d if config.train.mixed_precision == "no" else 2  # autocast computes in 16 bits
+    L = sum(p.numel() for p in models.lora_parameters(transformer))
+    K = len(config.rewards)
+    kl = config.nft.kl_coef > 0  # the KL term is one more row of the buffers
+    harmonized = isinstance(config.strategy, MarbleConfig)  # HarmonizedConfig is one too
+    adapted = sum(m.in_features * m.out_features for m in transformer.modules() if isinstance(m, LoraLayer))
+    image = image_tokens(config, t, vae_scale_factor)
+    tokens = image + _TEXT_TOKENS_CLIP + config.model.max_sequence_length
+    width, blocks = t.num_attention_heads * t.attention_head_dim, t.num_layers
+    dual = len(t.dual_attention_layers)
+    values = ACTIVATION_VALUES * blocks * tokens + DUAL_ATTENTION_VALUES * dual * image
+    return MemoryEstimate(
+        weights=d * frozen_values,
+        lora=(5 * 4 + d) * L,
+        buffers=4 * L * (K + kl) if harmonized else 0,
+        merged=d * adapted,
+        activations=batch * width * a * values,
+        counted={
+            "weights": f"{dtype}, {frozen_values:,} values",
+            "lora": f"(5 x 4 B + {d} B) x {L:,}: trained, gradient, 2 moments, eval EMA; old in {dtype}",
+            "buffers": f"(K {K}{' + 1 KL' if kl else ''}) x {L:,} x 4 B"
+            if harmonized
+            else f"none (strategy {config.strategy.name!r} does not harmonize)",
+            "merged": f"{dtype} W + s B A of each adapted layer, {adapted:,} values",
+            "activations": f"batch {batch} x width {width} x {a} B x ({ACTIVATION_VALUES} x {blocks} "
+            f"blocks x {tokens} tokens + {DUAL_ATTENTION_VALUES} x {dual} dual blocks x {image} image "
+            "tokens)",
+        },
+    )
+
+
+_LABELS = {
+    "weights": "weights",
+    "lora": "LoRA and AdamW",
+    "buffers": "gradient buffers",
+    "merged": "merged adapter",
+    "activations": "activations",
+}
+
+
 def _sizes(config: Config, folder: Path | None, report: Report) -> None:
     from mogo_diffusion import models
+    from mogo_diffusion.train import check_model
 
     transformer_config = _read_config(folder, "transformer")
     origin = f"{str(folder)!r}" if transformer_config else None
@@ -349,26 +482,18 @@ def _sizes(config: Config, folder: Path | None, report: Report) -> None:
         )
         return
     transformer = _meta_transformer(transformer_config)
+    scale = _vae_scale_factor(folder)
+    try:
+        check_model(config, transformer, scale)  # as the trainer does once it has loaded the model
+    except ConfigError as error:
+        report.problems.append(str(error))
+        return
     P = sum(p.numel() for p in transformer.parameters())
     B = sum(b.numel() for b in transformer.buffers())  # the positional embedding table
     with torch.device("meta"):  # the adapter's tensors too: nothing is allocated
         m = config.model
         models.add_lora(transformer, m.lora_rank, m.lora_alpha, targets=m.lora_targets, old=False)
     L = sum(p.numel() for p in models.lora_parameters(transformer))
-    K = len(config.rewards)
-    harmonized = isinstance(config.strategy, MarbleConfig)  # HarmonizedConfig is one too
-    buffers = 4 * L * K if harmonized else 0
-    report.transformer_parameters, report.lora_parameters, report.buffer_bytes = P, L, buffers
-    report.lines.append(f"transformer ({origin}): {P:,} parameters and {B:,} buffer values, {P + B:,} in all")
-    report.lines.append(
-        f"LoRA r {config.model.lora_rank} on {', '.join(config.model.lora_targets)}: {L:,} trained "
-        f"parameters ({100 * L / P:.2f} %)"
-    )
-    if harmonized:
-        report.lines.append(f"gradient buffers: K {K} x {L:,} x 4 B = {_gb(buffers)}")
-    else:
-        report.lines.append(f"gradient buffers: none (strategy {config.strategy.name!r} does not harmonize)")
-
     others, estimated = 0, []  # the other components' parameters
     index = json.loads((folder / "model_index.json").read_text()) if folder is not None else {}
     for component in _MODEL_COMPONENTS[1:]:
@@ -377,31 +502,38 @@ def _sizes(config: Config, folder: Path | None, report: Report) -> None:
         elif folder is None and config.model.pretrained == SD35M:
             others += _SD35M_OTHERS[component]
             estimated.append(component)
-    d = _BYTES[config.model.dtype]
-    weights = d * (P + B + others)
-    lora = 4 * L * 6
-    patch = transformer_config.get("patch_size", 2)
-    vae = _read_config(folder, "vae")
-    scale = 2 ** (len(vae["block_out_channels"]) - 1) if vae else 8
-    tokens = (config.sampling.resolution // scale // patch) ** 2 + _TEXT_TOKENS_CLIP
-    tokens += config.model.max_sequence_length
-    width = transformer_config["num_attention_heads"] * transformer_config["attention_head_dim"]
-    blocks = transformer_config["num_layers"]
-    a = 4 if config.train.mixed_precision == "no" else 2
-    activations = ACTIVATION_VALUES * blocks * config.train.batch_size * tokens * width * a
-    peak = weights + lora + buffers + activations
-    report.peak_bytes = peak
+    memory = estimate_memory(config, transformer, P + B + others, scale)
+    report.transformer_parameters, report.lora_parameters, report.memory = P, L, memory
+    report.image_tokens = image_tokens(config, transformer.config, scale)
     note = f"; {', '.join(estimated)}: published sizes" if estimated else ""
-    values = f"{P + B + others:,} values"
     report.lines += [
-        f"peak memory per GPU (estimate): {_gb(peak)}",
-        f"  weights          {_gb(weights):>9}  {config.model.dtype}, {values}{note}",
-        f"  LoRA and AdamW   {_gb(lora):>9}  6 x 4 B x {L:,}: trained, gradient, 2 moments, old, eval EMA",
-        f"  gradient buffers {_gb(buffers):>9}",
-        f"  activations      {_gb(activations):>9}  {ACTIVATION_VALUES} x {blocks} blocks x batch "
-        f"{config.train.batch_size} x {tokens} tokens x width {width} x {a} B",
-        "  not counted: the reward models",
+        f"transformer ({origin}): {P:,} parameters and {B:,} buffer values, {P + B:,} in all",
+        f"LoRA r {m.lora_rank} on {', '.join(m.lora_targets)}: {L:,} trained parameters "
+        f"({100 * L / P:.2f} %)",
+        f"image tokens per sample: {report.image_tokens:,} (sampling.resolution "
+        f"{config.sampling.resolution} px)",
+        f"gradient buffers: {memory.counted['buffers']}"
+        + (f" = {_gb(memory.buffers)}" if memory.buffers else ""),
+        f"peak memory per process (estimate): {_gb(memory.total)}",
+        *(
+            f"  {_LABELS[term]:<16} {_gb(getattr(memory, term)):>9}  {memory.counted[term]}"
+            + (note if term == "weights" else "")
+            for term in MemoryEstimate.TERMS
+        ),
+        f"  not counted: {'; '.join(_uncounted(config))}",
     ]
+
+
+def _uncounted(config: Config) -> list[str]:
+    """What the estimate leaves out, for this config."""
+    uncounted = ["the reward models"]
+    grad_mode = getattr(config.strategy, "grad_mode", "sequential")
+    if grad_mode != "sequential":
+        uncounted.append(
+            f"the batched backward of strategy.grad_mode {grad_mode!r} (it keeps K + 1 rows of the "
+            "backward's intermediates; 'sequential' one)"
+        )
+    return uncounted
 
 
 def preflight(config: Config) -> Report:

@@ -37,6 +37,7 @@ from dataclasses import dataclass, replace
 from pathlib import Path
 from typing import Any, NamedTuple
 
+import diffusers
 import torch
 from accelerate import Accelerator
 from accelerate.tracking import get_available_trackers
@@ -54,7 +55,7 @@ from mogo_diffusion.checkpoint import (
     load_checkpoint,
     save_checkpoint,
 )
-from mogo_diffusion.config import Config, ConfigError, add_config_arguments, config_from_args
+from mogo_diffusion.config import LORA_TARGETS, Config, ConfigError, add_config_arguments, config_from_args
 from mogo_diffusion.evaluate import plot_run, save_comparison
 from mogo_diffusion.nft import kl_loss, nft_terms
 from mogo_diffusion.prompts import PromptSet, load_prompt_pool, load_prompt_set
@@ -72,6 +73,7 @@ __all__ = [
     "MicroBatch",
     "Trainer",
     "check_config",
+    "check_model",
     "main",
 ]
 
@@ -120,8 +122,8 @@ class MicroBatch(NamedTuple):
     noise: torch.Tensor
 
 
-def _trackers(names: Sequence[str]) -> list[str]:
-    """Validate accelerate tracker names: known, and their package installed."""
+def _trackers(names: Sequence[str]) -> None:
+    """Check accelerate tracker names: known, and their package installed."""
     known = [str(kind) for kind in LoggerType if kind != LoggerType.ALL]
     available = {str(kind) for kind in get_available_trackers()}
     for name in names:
@@ -134,7 +136,6 @@ def _trackers(names: Sequence[str]) -> list[str]:
                 raise ConfigError(str(error)) from None
         if name not in available:
             raise ConfigError(f"train.log_with: tracker {name!r} needs its package: pip install {name}")
-    return list(names)
 
 
 def _precision(mixed_precision: str, device: torch.device) -> str:
@@ -168,16 +169,86 @@ def _check_rewards(config: Config) -> None:
             raise ConfigError(f"{where}.options: {spec.name!r}: {error}") from None
 
 
-def check_config(config: Config) -> None:
-    """What :class:`~mogo_diffusion.config.Config` cannot check without the registries: reward
-    names and options (against :func:`mogo_diffusion.rewards.available_rewards`) and the strategy
-    (:func:`~mogo_diffusion.strategies.make_strategy`). :class:`Trainer` calls it first.
+def _check_split(config: Config, world: int) -> None:
+    """An epoch's prompts split evenly over ``world`` processes, and each process has a batch for
+    every one of ``train.steps_per_epoch`` steps."""
+    sampling, train = config.sampling, config.train
+    if sampling.prompts_per_epoch % world:
+        raise ConfigError(
+            f"sampling.prompts_per_epoch: {sampling.prompts_per_epoch} prompts do not split evenly over "
+            f"{world} processes"
+        )
+    local = sampling.prompts_per_epoch * sampling.group_size // world
+    batches = -(-local // train.batch_size)
+    if train.steps_per_epoch is not None and train.steps_per_epoch > batches:
+        raise ConfigError(
+            f"train.steps_per_epoch: {train.steps_per_epoch} steps, but each process trains {batches} "
+            f"batch(es) of train.batch_size={train.batch_size} per epoch ({local} images: "
+            f"sampling.prompts_per_epoch x sampling.group_size / {world} process(es))"
+        )
+
+
+def _check_out_dir(out_dir: str) -> None:
+    """``train.out_dir`` is a directory or can be made: neither it nor a parent is a file."""
+    path = Path(out_dir)
+    for existing in (path, *path.parents):
+        if existing.exists():
+            if not existing.is_dir():
+                inside = "" if existing == path else f": the run directory {out_dir!r} cannot be made in it"
+                raise ConfigError(f"train.out_dir: {str(existing)!r} is a file, not a directory{inside}")
+            return
+
+
+def check_config(config: Config, world: int = 1) -> None:
+    """Everything a run's start depends on but its model: what :meth:`Config.validate
+    <mogo_diffusion.config.Config.validate>` checks, reward names and options (against
+    :func:`mogo_diffusion.rewards.available_rewards`), the strategy
+    (:func:`~mogo_diffusion.strategies.make_strategy`), the trackers, the epoch's split over
+    ``world`` processes, and ``train.out_dir``. :class:`Trainer` calls it first (and checks the
+    split again over its processes), ``--check`` too; :func:`check_model` checks the rest once
+    the model is known.
 
     Raises:
         ConfigError: naming the dotted field.
     """
+    config.validate()
     _check_rewards(config)
     make_strategy(config)
+    _trackers(config.train.log_with)
+    _check_split(config, world)
+    _check_out_dir(config.train.out_dir)
+
+
+def _check_lora_targets(targets: Sequence[str], transformer: torch.nn.Module) -> None:
+    """Each target names a linear layer of ``transformer`` (as peft matches them: the module's
+    dotted name, or its end after a dot); peft drops a target that matches nothing silently when
+    another one matches."""
+    names = [name for name, module in transformer.named_modules() if isinstance(module, torch.nn.Linear)]
+    for i, target in enumerate(targets):
+        if not any(name == target or name.endswith(f".{target}") for name in names):
+            ends = sorted({".".join(name.split(".")[-n:]) for name in names for n in (1, 2)})
+            raise ConfigError(
+                f"model.lora_targets.{i}: {target!r} names no linear layer of the transformer"
+                f"{closest(target, ends)}; "
+                f"SD3's attention projections are {', '.join(LORA_TARGETS)}"
+            )
+
+
+def check_model(config: Config, transformer: torch.nn.Module, vae_scale_factor: int) -> None:
+    """What ``config`` asks of the model: every ``model.lora_targets`` entry names layers of
+    ``transformer``, and ``sampling.resolution`` fits the transformer and the VAE
+    (:func:`mogo_diffusion.models.latent_size`). ``transformer`` may be on the ``meta`` device.
+    :class:`Trainer` calls it once the pipeline is loaded, ``--check`` on the transformer built
+    from its config.
+
+    Raises:
+        ConfigError: naming the dotted field and the valid values.
+    """
+    _check_lora_targets(config.model.lora_targets, transformer)
+    try:
+        models.latent_size(config.sampling.resolution, transformer.config, vae_scale_factor)
+    except ValueError as error:
+        raise ConfigError(f"sampling.resolution: {error}") from None
 
 
 def _read_prompts(load: Callable[[Any], Any], source: Any, field: str) -> Any:
@@ -214,6 +285,13 @@ class Trainer:
             ``config``).
         scaler: the gradient scaler (default: a ``torch.amp.GradScaler`` on the device, enabled
             for ``train.mixed_precision: fp16`` only).
+        pipeline: the SD3 pipeline to train, without LoRA adapters (default: loaded from
+            ``model.pretrained``, ``revision`` and ``variant`` in ``model.dtype``); a given one is
+            trained in its own dtype.
+
+    Raises:
+        ConfigError: :func:`check_config` (before anything is loaded) or :func:`check_model`
+            (once the pipeline is) refuses the config.
     """
 
     def __init__(
@@ -223,36 +301,29 @@ class Trainer:
         *,
         strategy: Strategy | None = None,
         scaler: torch.amp.GradScaler | None = None,
+        pipeline: diffusers.StableDiffusion3Pipeline | None = None,
     ) -> None:
         check_config(config)
         self.config = config
         self.out = Path(config.train.out_dir)
         self.accelerator = accelerator or Accelerator(
-            log_with=_trackers(config.train.log_with) or None, project_dir=self.out / "trackers"
+            log_with=config.train.log_with or None, project_dir=self.out / "trackers"
         )
+        self.world = self.accelerator.num_processes
+        _check_split(config, self.world)  # check_config's split, over this run's processes
         self.device = self.accelerator.device
         self.mixed_precision = _precision(config.train.mixed_precision, self.device)
         self.scaler = scaler or torch.amp.GradScaler(self.device.type, enabled=self.mixed_precision == "fp16")
-        self.pipeline = models.load_pipeline(
-            config.model.pretrained,
-            revision=config.model.revision,
-            variant=config.model.variant,
-            torch_dtype=DTYPES[config.model.dtype],
-        )
+        if pipeline is None:
+            pipeline = models.load_pipeline(
+                config.model.pretrained,
+                revision=config.model.revision,
+                variant=config.model.variant,
+                torch_dtype=DTYPES[config.model.dtype],
+            )
+        self.pipeline = pipeline
         self.pipeline.to(self.device)
-        self.world = self.accelerator.num_processes
-        if config.sampling.prompts_per_epoch % self.world:
-            raise ConfigError(
-                f"sampling.prompts_per_epoch: {config.sampling.prompts_per_epoch} prompts do not split "
-                f"evenly over {self.world} processes"
-            )
-        local = config.sampling.prompts_per_epoch * config.sampling.group_size // self.world
-        batches = -(-local // config.train.batch_size)
-        if config.train.steps_per_epoch is not None and config.train.steps_per_epoch > batches:
-            raise ConfigError(
-                f"train.steps_per_epoch: {config.train.steps_per_epoch} steps, but each process trains "
-                f"{batches} batch(es) of train.batch_size={config.train.batch_size} per epoch"
-            )
+        check_model(config, self.pipeline.transformer, self.pipeline.vae_scale_factor)
         self.transformer = self.pipeline.transformer
         with torch.random.fork_rng(devices=[]):  # the adapter's Gaussian init, from its own stream
             torch.manual_seed(self.seed_of("lora_init"))
@@ -297,6 +368,14 @@ class Trainer:
         every process and in a resumed run, independent of every other stream."""
         return torch.Generator().manual_seed(self.seed_of(purpose, epoch))
 
+    def latent_shape(self, rows: int) -> tuple[int, int, int, int]:
+        """``(rows, C, h, h)``: the latents of ``rows`` images of ``sampling.resolution`` pixels a
+        side, ``h`` = :func:`mogo_diffusion.models.latent_size` (what ``--check`` counts too)."""
+        side = models.latent_size(
+            self.config.sampling.resolution, self.transformer.config, self.pipeline.vae_scale_factor
+        )
+        return (rows, self.transformer.config.in_channels, side, side)
+
     def sample(self, epoch: int) -> Batch:
         """The epoch's prompts and images, sampled with the old adapter (``rewards`` not yet set).
 
@@ -310,9 +389,7 @@ class Trainer:
         metadata = [self.prompts.metadata[i] for i in rows]
         share = len(prompts) // self.world
         local = slice(self.accelerator.process_index * share, (self.accelerator.process_index + 1) * share)
-        config = self.transformer.config
-        shape = (len(prompts), config.in_channels, config.sample_size, config.sample_size)
-        noise = torch.randn(shape, generator=generator)[local]
+        noise = torch.randn(self.latent_shape(len(prompts)), generator=generator)[local]
         embeds, pooled = models.encode_prompts(
             self.pipeline, prompts[local], self.config.model.max_sequence_length
         )
@@ -382,9 +459,8 @@ class Trainer:
             prompts = self.eval_prompts.prompts
             length = self.config.model.max_sequence_length
             embeds, pooled = models.encode_prompts(self.pipeline, prompts, length)
-            config = self.transformer.config
-            shape = (len(prompts), config.in_channels, config.sample_size, config.sample_size)
-            noise = torch.randn(shape, generator=torch.Generator().manual_seed(EVAL_SEED)).to(self.device)
+            generator = torch.Generator().manual_seed(EVAL_SEED)
+            noise = torch.randn(self.latent_shape(len(prompts)), generator=generator).to(self.device)
             self._eval_cache = (embeds, pooled, noise)
         return self._eval_cache
 

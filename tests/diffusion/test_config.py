@@ -3,15 +3,24 @@
 from __future__ import annotations
 
 import argparse
+import dataclasses
+import inspect
 import re
 import subprocess
 import sys
 from pathlib import Path
 
 import pytest
+import torch
 import yaml
+from hypothesis import given
+from hypothesis import strategies as st
 
+import mogo_diffusion
+from mogo_diffusion import config as config_module
+from mogo_diffusion import models
 from mogo_diffusion.config import (
+    MAX_DEPTH,
     Config,
     ConfigError,
     HarmonizedConfig,
@@ -24,6 +33,7 @@ from mogo_diffusion.config import (
     config_from_args,
     load_config,
 )
+from mogo_diffusion.strategies import make_strategy
 
 REWARDS = [
     "rewards.0.name=jpeg_compressibility",
@@ -241,6 +251,28 @@ def test_programmatic_config_is_validated():
         (["rewards.5.name=x"], "rewards.5: no entry '5' in a list of 2"),
         (["train.lr.x=1"], "train.lr: expected float, got dict"),
         (["train.lr=[1"], "override 'train.lr=[1': not valid YAML"),
+        # issue 39, item 14: configs the trainer refused only after an epoch of work
+        (
+            ["strategy.name=min_norm", "strategy.options={scale: .inf}"],
+            "strategy.options.scale: must be finite, got inf",
+        ),
+        (["rewards.0.options={x: [1, .nan]}"], "rewards.0.options.x.1: must be finite, got nan"),
+        (
+            ["rewards.0.weight=1e308", "rewards.1.weight=1"],
+            "rewards.0.weight: the weights sum to 1e+308, beyond float32's largest number 3.403e+38",
+        ),
+        (
+            ["rewards.0.weight=3e38", "rewards.1.weight=3e38"],
+            "rewards.0.weight: the weights sum to 6e+38",
+        ),
+        (
+            ["rewards.0.weight=0", "rewards.1.weight=0"],
+            "rewards: every weight is 0; the marble strategy weighs",
+        ),
+        (
+            ["strategy.name=upgrad", "rewards.0.weight=0", "rewards.1.weight=0"],
+            "rewards: every weight is 0; the upgrad strategy",
+        ),
     ],
 )
 def test_errors_name_the_field(overrides, message):
@@ -324,3 +356,171 @@ def test_the_documented_strategies_are_valid():
     for line in lines:
         config = Config.from_dict({"rewards": rewards, **yaml.safe_load(line)})
         assert config.strategy.name == yaml.safe_load(line)["strategy"]["name"]
+
+
+# ---- issue 39, item 13: duplicate keys and deep nesting ----------------------------------------
+
+
+def test_a_key_given_twice_is_an_error_naming_the_key_and_both_lines(tmp_path):
+    """``lr: 1.0e-3`` then ``lr: 5.0`` trained at 5.0: YAML keeps the last value silently."""
+    text = "rewards: [{name: sharpness}]\ntrain:\n  lr: 1.0e-3\n  epochs: 2\n  lr: 5.0\n"
+    with pytest.raises(ConfigError) as info:
+        load_config(write(tmp_path, text))
+    assert str(info.value) == (
+        f"{tmp_path / 'run.yaml'}: line 5: key 'lr' is given twice in one mapping (first on line 3); "
+        "YAML would keep the last silently"
+    )
+    override = "rewards.0.options={quality: 90, quality: 50}"
+    assert error([override]).startswith(f"override {override!r}: line 1: key 'quality' is given twice")
+    # the same key in two mappings is no repetition, and neither is a merge key's override
+    text = "rewards: [{name: sharpness, options: {a: 1}}, {name: color_match, options: {a: 2, <<: {a: 3}}}]"
+    assert [spec.options for spec in load_config(write(tmp_path, text)).rewards] == [{"a": 1}, {"a": 2}]
+
+
+def nested(depth: int) -> object:
+    """A value ``depth`` lists deep: ``[[...[1]...]]``."""
+    value: object = 1
+    for _ in range(depth):
+        value = [value]
+    return value
+
+
+def test_values_nest_up_to_max_depth_keys_in_files_and_in_data_and_no_deeper(tmp_path):
+    """A deeply nested value gave an uncaught RecursionError (PyYAML's composer, then saving)."""
+    rewards = lambda value: {"rewards": [{"name": "sharpness", "options": {"a": value}}]}  # noqa: E731
+    deepest = MAX_DEPTH - 4  # lists below the four keys rewards.0.options.a
+    config = Config.from_dict(rewards(nested(deepest)))
+    config.save(tmp_path / "saved.yaml")
+    assert load_config(tmp_path / "saved.yaml") == config
+    where = "rewards.0.options.a" + ".0" * (deepest + 1)
+    with pytest.raises(ConfigError, match=rf"^{re.escape(where)}: nested deeper than {MAX_DEPTH} levels$"):
+        Config.from_dict(rewards(nested(deepest + 1)))
+    (tmp_path / "deep.yaml").write_text(yaml.safe_dump(rewards(nested(deepest + 1))))
+    with pytest.raises(ConfigError, match=rf"deep\.yaml: line \d+: nested deeper than {MAX_DEPTH} levels"):
+        load_config(tmp_path / "deep.yaml")
+    text = "rewards: [{name: sharpness, options: {a: " + "[" * 5000 + "]" * 5000 + "}}]\n"
+    with pytest.raises(ConfigError, match=f"nested deeper than {MAX_DEPTH} levels"):
+        load_config(write(tmp_path, text))
+
+
+# ---- every field is read by the code it names --------------------------------------------------
+
+
+def test_sampling_steps_per_epoch_was_removed_and_names_its_replacement(tmp_path):
+    """It was validated and documented but never read: ``train.steps_per_epoch`` is the field."""
+    message = (
+        "sampling.steps_per_epoch: this field was removed: nothing read it; train.steps_per_epoch is the "
+        "field (optimizer steps per epoch)"
+    )
+    assert error(["sampling.steps_per_epoch=2"]) == message
+    with pytest.raises(ConfigError) as info:
+        load_config(write(tmp_path, "rewards: [{name: sharpness}]\nsampling: {steps_per_epoch: 2}\n"))
+    assert str(info.value) == message
+    # null, which every run directory saved before the removal holds, is no setting: it loads
+    saved = load_config(write(tmp_path, "rewards: [{name: sharpness}]\nsampling: {steps_per_epoch: null}\n"))
+    assert "steps_per_epoch" not in saved.to_dict()["sampling"]
+
+
+SCHEMA = [
+    cls
+    for cls in vars(config_module).values()
+    if isinstance(cls, type) and dataclasses.is_dataclass(cls) and cls.__module__ == config_module.__name__
+]
+PACKAGE = Path(mogo_diffusion.__file__).parent
+
+
+@pytest.fixture
+def reads(monkeypatch):
+    """The ``(record, field)`` reads of config objects by the code of ``mogo_diffusion``, outside
+    ``config.py`` itself (its validation and ``to_dict`` read every field) and outside dataclasses'
+    own methods."""
+    found: set[tuple[str, str]] = set()
+    fields = {cls: {f.name for f in dataclasses.fields(cls)} for cls in SCHEMA}
+
+    def recording(self, name):
+        caller = Path(inspect.currentframe().f_back.f_code.co_filename)
+        if name in fields[type(self)] and PACKAGE in caller.parents and caller.name != "config.py":
+            found.add((type(self).__name__, name))
+        return object.__getattribute__(self, name)
+
+    for cls in SCHEMA:
+        monkeypatch.setattr(cls, "__getattribute__", recording)
+    return found
+
+
+STRATEGY_RUNS = {
+    "marble": {"name": "marble", "harmonize_every": 2},
+    "min_norm": {"name": "min_norm", "options": {"normalize": "l2"}},
+    "weighted_sum": {"name": "weighted_sum", "reward_scale": "zscore"},
+    "sequential": {"name": "sequential", "stages": [{"reward": "sharpness", "epochs": 1}]},
+    "single": {"name": "single", "reward": "color_match"},
+}
+
+# The fields that a run does not read, and where each is read instead (checked below):
+READ_ELSEWHERE = {
+    # a strategy record's tag: the parser picks the record by it (from the raw data), --check
+    # prints it; the run goes by the record's type
+    ("MarbleConfig", "name"),
+    ("WeightedSumConfig", "name"),
+    ("SequentialConfig", "name"),
+    ("SingleConfig", "name"),
+}
+
+
+def tiny_run(tiny_dir: Path, out: Path, strategy: dict) -> Config:
+    return Config.from_dict(
+        {
+            "model": {"pretrained": str(tiny_dir), "dtype": "float32", "lora_rank": 2, "lora_alpha": 4,
+                      "max_sequence_length": 16},
+            "sampling": {"num_steps": 2, "eval_num_steps": 1, "resolution": 32, "group_size": 2,
+                         "prompts_per_epoch": 2, "batch_size": 4, "solver": "euler",
+                         "prompts": [{"source": "shapes:train:8", "weight": 1.0, "reward": "geneval"}],
+                         "eval_prompts": "shapes:heldout:2"},
+            "rewards": [{"name": "sharpness", "weight": 1.0, "options": {}},
+                        {"name": "color_match", "weight": 1.0}],
+            "strategy": strategy,
+            "train": {"epochs": 1, "batch_size": 2, "steps_per_epoch": 2, "mixed_precision": "no",
+                      "out_dir": str(out), "log_with": []},
+        }
+    )  # fmt: skip
+
+
+@pytest.fixture(scope="module")
+def tiny_dir(tmp_path_factory):
+    path = tmp_path_factory.mktemp("tiny-sd3")
+    models.tiny_sd3("smoke").save_pretrained(path)
+    return path
+
+
+def test_every_config_field_is_read_by_a_run_or_where_the_list_says(tiny_dir, tmp_path, reads):
+    """Walks the schema: a real tiny run of each kind of strategy record (construct, one epoch,
+    evaluate, save) reads every field but those of ``READ_ELSEWHERE``, which are read there."""
+    from mogo_diffusion.preflight import preflight
+    from mogo_diffusion.train import Trainer
+
+    schema = {(cls.__name__, f.name) for cls in SCHEMA for f in dataclasses.fields(cls)}
+    for name, strategy in STRATEGY_RUNS.items():
+        Trainer(tiny_run(tiny_dir, tmp_path / name, strategy)).train()
+    assert (tmp_path / "marble" / "checkpoints" / "step-000001").is_dir()  # the run saved
+    assert schema - reads == READ_ELSEWHERE
+    reads.clear()
+    for name, strategy in STRATEGY_RUNS.items():
+        report = preflight(tiny_run(tiny_dir, tmp_path / name, strategy))
+        assert report.lines[0].startswith(f"config: valid (strategy {name!r}")
+    assert reads >= READ_ELSEWHERE
+
+
+ACCEPTED_WEIGHT = 3.4028234663852886e38 / 6  # six weights below float32's largest number in sum
+
+
+@given(
+    weights=st.lists(st.floats(0, ACCEPTED_WEIGHT), min_size=2, max_size=6).filter(any),
+    scale=st.floats(-1e3, 1e3),
+)
+def test_accepted_weights_give_finite_weighted_sum_advantages(weights, scale):
+    """The weights' bound: a config the check accepts has finite advantages for finite rewards."""
+    rewards = [{"name": f"reward{k}", "weight": w} for k, w in enumerate(weights)]
+    config = Config.from_dict({"rewards": rewards, "strategy": {"name": "weighted_sum"}})
+    scores = scale * torch.linspace(-1, 1, 4 * len(weights)).reshape(4, len(weights))
+    advantages = make_strategy(config).advantages(scores, ["a", "a", "b", "b"], 0)
+    assert torch.isfinite(advantages).all()

@@ -2,17 +2,20 @@
 
 from __future__ import annotations
 
+import re
 import sys
 from pathlib import Path
 
 import pytest
+import torch
 import yaml
+from diffusers import SD3Transformer2DModel
 from torch import nn
 
 from mogo_diffusion import models
-from mogo_diffusion.config import LORA_TARGETS, load_config
+from mogo_diffusion.config import LORA_TARGETS, Config, ConfigError, HarmonizedConfig, load_config
 from mogo_diffusion.preflight import SD35M, SD35M_TRANSFORMER, _meta_transformer, preflight
-from mogo_diffusion.train import check_config, main
+from mogo_diffusion.train import Trainer, check_config, main
 
 ROOT = Path(__file__).resolve().parents[2]
 CONFIGS = sorted((ROOT / "configs").glob("sd35m_*.yaml"))
@@ -82,7 +85,8 @@ def test_the_sd35m_transformer_is_counted_on_the_meta_device():
     targets = tuple(f".{t}" for t in LORA_TARGETS)
     linears = [m for n, m in transformer.named_modules() if n.endswith(targets) and isinstance(m, nn.Linear)]
     assert sum(32 * (m.in_features + m.out_features) for m in linears) == L
-    assert report.buffer_bytes == 5 * L * 4
+    assert report.memory.buffers == (5 + 1) * L * 4  # K = 5 gradients and the KL term's, float32
+    assert report.memory.merged == 2 * sum(m.in_features * m.out_features for m in linears)  # bfloat16
 
 
 @pytest.fixture(scope="module")
@@ -126,7 +130,7 @@ def test_check_passes_on_the_tiny_model_and_counts_what_the_trainer_trains(tiny_
     models.add_lora(transformer, 4, 8.0)
     L = sum(p.numel() for p in models.lora_parameters(transformer))
     assert report.lora_parameters == L
-    assert report.buffer_bytes == 2 * L * 4
+    assert report.memory.buffers == (2 + 1) * L * 4  # K = 2 and the KL term (nft.kl_coef > 0)
 
 
 def test_check_names_every_missing_file_and_its_download_command(tmp_path, capsys, monkeypatch):
@@ -203,7 +207,7 @@ def test_every_shipped_config_passes_the_check_up_to_missing_weights_and_prompts
     """Here nothing is downloaded: each problem is a missing file with the command that fetches it."""
     report = preflight(load_config(path))
     assert report.transformer_parameters is not None
-    assert report.peak_bytes is not None
+    assert report.memory is not None
     for problem in report.problems:
         assert "hf download " in problem or "git clone https://github.com/NVlabs/DiffusionNFT" in problem, (
             problem
@@ -264,3 +268,128 @@ def test_check_accepts_a_converted_imagereward_directory_and_its_tokenizer(tiny_
         main(["--config", str(tiny_config(tmp_path, tiny_dir, rewards=rewards)), "--check"])
     assert exit_.value.code == 0
     assert "problem" not in capsys.readouterr().out
+
+
+# ---- --check runs the trainer's start-up checks (issue 39, item 14) ------------------------------
+
+
+def zero_weights(config: Config, tmp_path: Path) -> None:
+    for spec in config.rewards:
+        spec.weight = 0.0
+
+
+def huge_weights(config: Config, tmp_path: Path) -> None:
+    for spec in config.rewards:
+        spec.weight = 1e308
+
+
+def out_dir_a_file(config: Config, tmp_path: Path) -> None:
+    (tmp_path / "a-file").write_text("not a directory")
+    config.train.out_dir = str(tmp_path / "a-file")
+
+
+REFUSED = {  # each: how a valid config is changed, and what the check and the trainer say
+    "every weight 0 under marble": (zero_weights, "rewards: every weight is 0; the marble strategy"),
+    "weights of 1e308": (huge_weights, "rewards.0.weight: the weights sum to inf, beyond float32's"),
+    "scale inf": (
+        lambda c, _: setattr(c, "strategy", HarmonizedConfig("min_norm", options={"scale": float("inf")})),
+        "strategy.options.scale: must be finite, got inf",
+    ),
+    "steps_per_epoch above the batches": (
+        lambda c, _: setattr(c.train, "steps_per_epoch", 2),
+        "train.steps_per_epoch: 2 steps, but each process trains 1 batch(es) of train.batch_size=4",
+    ),
+    "out_dir a file": (out_dir_a_file, "is a file, not a directory"),
+    "an unknown tracker": (lambda c, _: setattr(c.train, "log_with", ["nope"]), "train.log_with: unknown"),
+    "no LoRA target matches": (  # --check crashed with peft's NoMatchingPeftModuleError
+        lambda c, _: setattr(c.model, "lora_targets", ["to_qq"]),
+        "model.lora_targets.0: 'to_qq' names no linear layer of the transformer (did you mean 'to_q'?)",
+    ),
+    "one LoRA target matches nothing": (  # peft dropped it silently: only to_q trained
+        lambda c, _: setattr(c.model, "lora_targets", ["to_q", "add_q"]),
+        "model.lora_targets.1: 'add_q' names no linear layer of the transformer (did you mean",
+    ),
+    "a resolution beyond the positional embedding": (  # the trainer sampled sample_size instead
+        lambda c, _: setattr(c.sampling, "resolution", 128),
+        "sampling.resolution: 128 px images are 32 x 32 latents (the VAE's scale factor 4), more than "
+        "the transformer's positional embedding covers: pos_embed_max_size 8 x patch_size 2 = 16 "
+        "latents, 64 px at most",
+    ),
+}
+
+
+@pytest.mark.parametrize("case", REFUSED)
+def test_the_check_and_the_trainer_refuse_alike_before_any_work(tiny_dir, tmp_path, capsys, case):
+    """``--check`` said "ready" for configs the trainer rejects (some after an epoch) or crashed;
+    both now run the same checks: the check names the problem and exits non-zero, the trainer
+    refuses when it is built."""
+    change, message = REFUSED[case]
+    config = load_config(tiny_config(tmp_path, tiny_dir))
+    check_config(config)  # valid before the change
+    change(config, tmp_path)
+    config.save(tmp_path / "changed.yaml")
+    with pytest.raises(SystemExit) as exit_:
+        main(["--config", str(tmp_path / "changed.yaml"), "--check"])
+    printed = capsys.readouterr()
+    assert exit_.value.code != 0
+    assert message in printed.out + printed.err
+    with pytest.raises(ConfigError, match=re.escape(message)):
+        Trainer(config)
+    assert not (tmp_path / "run").exists()  # nothing written
+
+
+# ---- sampling.resolution: one count of image tokens (issue 38) -------------------------------------
+
+
+def sd35m_geometry(path: Path) -> Path:
+    """A tiny pipeline (smoke transformer, tiny encoders) with SD3.5-M's image geometry: sample_size
+    128, patch 2, pos_embed_max_size 384, a VAE of scale factor 8, saved at ``path``."""
+    geometry = {key: SD35M_TRANSFORMER[key] for key in ("sample_size", "patch_size", "pos_embed_max_size")}
+    smoke = models.tiny_sd3("smoke").transformer.config
+    transformer = SD3Transformer2DModel.from_config({**smoke, **geometry})
+    models.tiny_pipeline(transformer, vae_scale_factor=8, clip_length=16, t5_length=16).save_pretrained(path)
+    return path
+
+
+def test_the_check_and_the_trainer_count_the_same_image_tokens_for_the_marble_config(tmp_path):
+    """512 px are 1024 image tokens of SD3.5-M; the trainer sampled its sample_size, 128 latents a
+    side: 4096 tokens, four times what the configs ask and the check sized memory for."""
+    marble = ROOT / "configs" / "sd35m_marble.yaml"
+    assert preflight(load_config(marble)).image_tokens == 1024  # SD35M_TRANSFORMER, no download
+    tiny = {"model.pretrained": str(sd35m_geometry(tmp_path / "sd35m-geometry")), "model.dtype": "float32",
+            "model.lora_rank": 2, "model.lora_alpha": 4, "model.max_sequence_length": 16,
+            "rewards": "[{name: sharpness}, {name: color_match}]", "sampling.prompts": "shapes:train:4",
+            "sampling.eval_prompts": "null", "sampling.group_size": 2, "sampling.prompts_per_epoch": 1,
+            "sampling.num_steps": 1, "sampling.batch_size": 2, "train.batch_size": 2,
+            "train.mixed_precision": "'no'", "train.out_dir": str(tmp_path / "run")}  # fmt: skip
+    config = load_config(marble, [f"{key}={value}" for key, value in tiny.items()])
+    assert config.sampling.resolution == 512  # the shipped config's
+    report = preflight(config)
+    assert report.ok, report.problems
+    trainer = Trainer(config)
+    assert trainer.transformer.config.sample_size == 128
+    batch = trainer.sample(0)
+    side = batch.latents.shape[-1]
+    assert batch.latents.shape[-2:] == (64, 64)
+    assert batch.images.shape[-2:] == (512, 512)
+    assert (side // trainer.transformer.config.patch_size) ** 2 == report.image_tokens == 1024
+
+
+def test_a_training_forward_keeps_no_attention_matrix_on_the_cpu(tiny_dir):
+    """The estimate counts no attention matrices: scaled-dot-product attention keeps q, k, v, the
+    output and the log-sum-exp, on the CPU too. A torch that kept the ``[b, heads, S, S]`` scores
+    would make the activation term wrong on CPUs."""
+    pipeline = models.load_pipeline(tiny_dir)
+    transformer = pipeline.transformer
+    models.add_lora(transformer, 2, 4.0)
+    c = transformer.config
+    x = torch.randn(2, c.in_channels, c.sample_size, c.sample_size)
+    embeds, pooled = models.encode_prompts(pipeline, ["a red circle", "a blue square"], 16)
+    tokens = (c.sample_size // c.patch_size) ** 2 + embeds.shape[1]
+    shapes = []
+    keep = torch.autograd.graph.saved_tensors_hooks(lambda t: shapes.append(tuple(t.shape)) or t, lambda t: t)
+    with keep, models.fused(transformer, models.TRAINED):
+        v = transformer(x, embeds, pooled, torch.tensor([500.0, 500.0]), return_dict=False)[0]
+    v.sum().backward()
+    assert any(shape[-2:] == (tokens, c.attention_head_dim) for shape in shapes)  # q, k, v were saved
+    assert not any(shape[-2:] == (tokens, tokens) for shape in shapes)

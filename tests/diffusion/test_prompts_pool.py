@@ -231,4 +231,5 @@ def test_the_trainer_draws_each_epoch_from_the_pool(tmp_path):
     assert (sources.count("ocr:4"), sources.count("geneval:4")) == (8, 4)
     with pytest.raises(ConfigError, match=r"sampling.prompts: entry 1 \('missing.txt'\): prompt file"):
         Trainer(load_config(None, ["rewards.0.name=sharpness", f"model.pretrained={tiny}",
+                                   "sampling.resolution=32",
                                    "sampling.prompts=[{source: ocr:2}, {source: missing.txt}]"]))  # fmt: skip

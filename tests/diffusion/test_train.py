@@ -859,3 +859,64 @@ def test_a_resume_after_a_kill_in_the_middle_of_a_metrics_line_rewrites_it(tiny_
     lines = (run / "metrics.jsonl").read_text().splitlines()
     assert [json.loads(line)["epoch"] for line in lines] == [0, 1]
     assert (run / "curves.png").stat().st_size > 0
+
+
+# ---- sampling.resolution drives the latents (issue 38) ---------------------------------------------
+
+
+def sd35m_like_pipeline() -> StableDiffusion3Pipeline:
+    """The smoke transformer with SD3.5-M's ``sample_size`` 128 (a positional embedding of 64 x 2
+    = 128 latents a side), in a pipeline whose VAE has SD3's scale factor 8."""
+    from diffusers import SD3Transformer2DModel
+
+    smoke = models.tiny_sd3("smoke").transformer.config
+    transformer = SD3Transformer2DModel.from_config({**smoke, "sample_size": 128, "pos_embed_max_size": 64})
+    return models.tiny_pipeline(transformer, vae_scale_factor=8, clip_length=16, t5_length=16)
+
+
+def test_sampling_resolution_sets_the_latents_of_training_and_evaluation(tiny_dir, tmp_path):
+    """The trainer sampled ``transformer.config.sample_size`` latents whatever the resolution: on
+    SD3.5-M 128, i.e. 1024 px images where the configs ask for 512."""
+    for resolution, side in ((512, 64), (256, 32)):
+        data = config(tiny_dir, tmp_path / str(resolution), "weighted_sum").to_dict()
+        data["sampling"].update(resolution=resolution, eval_prompts="shapes:heldout:2", eval_num_steps=1)
+        pipeline = sd35m_like_pipeline()
+        trainer = Trainer(Config.from_dict(data), pipeline=pipeline)
+        assert trainer.pipeline is pipeline
+        assert trainer.transformer.config.sample_size == 128
+        batch = trainer.sample(0)
+        assert batch.latents.shape == (4, 16, side, side)
+        assert batch.images.shape == (4, 3, resolution, resolution)
+        trainer.evaluate()
+        assert trainer.eval_images.shape == (2, 3, resolution, resolution)
+
+
+@given(
+    patch=st.sampled_from([1, 2, 4]),
+    levels=st.integers(0, 4),
+    largest=st.none() | st.integers(1, 96),
+    resolution=st.integers(1, 3000),
+)
+def test_latent_size_is_the_resolution_over_the_scale_factor_where_the_model_reads_it(
+    patch, levels, largest, resolution
+):
+    """``resolution / vae_scale_factor`` latents a side when the resolution is a multiple of
+    ``scale x patch`` and within the positional embedding; otherwise a ValueError whose suggested
+    resolutions are valid ones."""
+    scale = 2**levels
+    transformer = {"patch_size": patch, "pos_embed_max_size": largest}
+    fits = resolution % (scale * patch) == 0 and (largest is None or resolution <= largest * patch * scale)
+    if fits:
+        assert models.latent_size(resolution, transformer, scale) == resolution // scale
+        return
+    with pytest.raises(ValueError, match=f"^{resolution} px") as info:
+        models.latent_size(resolution, transformer, scale)
+    message = str(info.value)
+    if resolution % (scale * patch):
+        suggested = [int(n) for n in re.search(r"e\.g\. (\d+)(?: or (\d+))? px", message).groups() if n]
+        assert all(n % (scale * patch) == 0 and n > 0 for n in suggested), message
+        assert suggested[0] <= resolution <= suggested[-1] or suggested == [scale * patch], message
+    else:
+        most = int(re.search(r"(\d+) px at most", message).group(1))
+        assert models.latent_size(most, transformer, scale) == largest * patch
+        assert most < resolution
