@@ -693,7 +693,11 @@ class Trainer:
                     f"{where}: field {name!r} must be an object, got {type(state[name]).__name__}"
                 )
         self._check_scaler(state["scaler"], where)
-        changed = run_dir.defining_differences(state["config"], self.config.to_dict())
+        try:  # read by today's schema: a field removed since (config.REMOVED) is no difference
+            saved = Config.from_dict(state["config"]).to_dict()
+        except ConfigError as error:
+            raise CheckpointError(f"{where}: field 'config' is not a valid config: {error}") from None
+        changed = run_dir.defining_differences(saved, self.config.to_dict())
         if changed:
             raise ConfigError(
                 f"{', '.join(f for f, _, _ in changed)}: a resume continues the run of checkpoint "

@@ -666,6 +666,23 @@ def test_a_malformed_state_json_is_named_and_nothing_is_changed(
         assert not (run / "checkpoints" / "step-000002").exists()
 
 
+def test_a_checkpoint_saved_before_a_field_was_removed_resumes(tiny_dir, one_epoch_run, tmp_path):
+    """Checkpoints saved before sampling.steps_per_epoch was removed hold it as null."""
+    run = copy_run(one_epoch_run, tmp_path / "run")
+    state = load_checkpoint(run / "checkpoints" / "step-000001")
+    state["config"]["sampling"]["steps_per_epoch"] = None
+    save_checkpoint(run / "checkpoints", 1, state)
+    fresh = Trainer(config(tiny_dir, run, "marble", epochs=2))
+    fresh.resume("latest")
+    assert fresh.epoch == 1
+    state["config"]["sampling"]["steps_per_epoch"] = 2  # a value was never valid there
+    save_checkpoint(run / "checkpoints", 1, state)
+    with pytest.raises(
+        CheckpointError, match=r"field 'config' is not a valid config: sampling\.steps_per_epoch"
+    ):
+        Trainer(config(tiny_dir, run, "marble", epochs=2)).resume("latest")
+
+
 def save_config(tiny_dir, out, where) -> Path:
     path = where / "resume.yaml"
     config(tiny_dir, out, "marble", epochs=2).save(path)
