@@ -329,9 +329,12 @@ class TrainConfig:
         old_decay_rate, old_decay_max: the old policy follows the trained one by EMA with decay
             ``min(old_decay_rate * step, old_decay_max)``.
         eval_ema_decay: the decay of the separate evaluation EMA, in [0, 1).
-        mixed_precision: the trained forward's autocast: ``"bf16"``, ``"fp16"`` (with a
+        mixed_precision: the autocast of every transformer forward (sampling, evaluation, the
+            old, reference and trained velocities): ``"bf16"`` (on a CPU, with the attention's
+            softmax product in float32: :mod:`mogo_diffusion.attention`), ``"fp16"`` (with a
             ``GradScaler``: gradients unscaled before clipping, overflowing steps skipped), ``"no"``,
-            or ``"auto"``: bf16 on a CUDA device that supports it, else no.
+            or ``"auto"``: bf16 on a CUDA device that supports it, else no. The LoRA weights, the
+            optimizer's state, the losses, the advantages and the QP stay float32.
         reward_threads: rewards scored at once (see :class:`mogo_diffusion.rewards.MultiReward`).
         seed, out_dir: the random seed (in [0, 2**63)) and the run directory.
         log_every, eval_every, checkpoint_every: periods in epochs.

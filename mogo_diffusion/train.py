@@ -48,6 +48,7 @@ from mogo._extras import MissingExtraError, require
 from mogo.registry import closest
 from mogo_diffusion import models, run_dir
 from mogo_diffusion.advantages import nan_mean
+from mogo_diffusion.attention import use_float32_attention
 from mogo_diffusion.checkpoint import (
     CheckpointError,
     checkpoint_path,
@@ -325,6 +326,8 @@ class Trainer:
         self.pipeline.to(self.device)
         check_model(config, self.pipeline.transformer, self.pipeline.vae_scale_factor)
         self.transformer = self.pipeline.transformer
+        if self.mixed_precision == "bf16" and self.device.type == "cpu":
+            use_float32_attention(self.transformer)  # the CPU's bfloat16 attention backward is slow
         with torch.random.fork_rng(devices=[]):  # the adapter's Gaussian init, from its own stream
             torch.manual_seed(self.seed_of("lora_init"))
             models.add_lora(
@@ -417,10 +420,11 @@ class Trainer:
         latents, images = [], []
         for start in range(0, len(noise), sampling.batch_size):
             part = slice(start, start + sampling.batch_size)
-            samples = sample(
-                self.transformer, self.pipeline.scheduler, embeds[part], pooled[part], num_steps,
-                latents=noise[part], solver=sampling.solver,
-            )  # fmt: skip
+            with self.autocast():
+                samples = sample(
+                    self.transformer, self.pipeline.scheduler, embeds[part], pooled[part], num_steps,
+                    latents=noise[part], solver=sampling.solver,
+                )  # fmt: skip
             latents.append(samples.latents)
             with torch.no_grad():
                 images.append(decode(self.pipeline.vae, samples.latents))
@@ -483,8 +487,8 @@ class Trainer:
     ) -> tuple[torch.Tensor, torch.Tensor | None]:
         """The ``[J]`` NFT losses and the KL term (None when ``nft.kl_coef`` is 0) of the local
         rows ``index`` at the trained timestep ``t = sigma_j`` with noise ``eps``; the trained
-        forward runs under the run's autocast, its adapter fused into the weights
-        (:func:`~mogo_diffusion.models.fused`)."""
+        forward has its adapter fused into the weights (:func:`~mogo_diffusion.models.fused`);
+        all three run under the run's autocast (:meth:`autocast`)."""
         nft = self.config.nft
         x0 = batch.latents[index]
         t = float(batch.sigmas[j])
@@ -497,7 +501,7 @@ class Trainer:
             "pooled_projections": batch.pooled[index].to(dtype),
             "return_dict": False,
         }
-        with torch.no_grad():
+        with torch.no_grad(), self.autocast():
             with models.merged(self.transformer, models.OLD):
                 v_old = self.transformer(**inputs)[0]
             v_ref = None
@@ -510,7 +514,9 @@ class Trainer:
         return self.strategy.losses(nft_terms(v, v_old, x_t, x0, t, beta=nft.beta), advantages), kl
 
     def autocast(self) -> AbstractContextManager:
-        """The trained forward's autocast (``train.mixed_precision``), or nothing for ``"no"``."""
+        """The autocast of every transformer forward (sampling, the old, reference and trained
+        velocities; ``train.mixed_precision``), or nothing for ``"no"``. What they feed stays
+        float32: the sampler's state, the NFT loss and KL terms, the advantages and the QP."""
         if self.mixed_precision == "no":
             return nullcontext()
         dtype = torch.bfloat16 if self.mixed_precision == "bf16" else torch.float16

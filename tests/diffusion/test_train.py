@@ -25,6 +25,7 @@ import mogo
 from mogo_diffusion import compare, models
 from mogo_diffusion import train as train_module
 from mogo_diffusion.advantages import per_reward_advantages, weighted_sum_advantages
+from mogo_diffusion.attention import Float32Attention
 from mogo_diffusion.checkpoint import CheckpointError, load_checkpoint, save_checkpoint
 from mogo_diffusion.config import Config, ConfigError, load_config
 from mogo_diffusion.evaluate import read_metrics
@@ -937,3 +938,31 @@ def test_latent_size_is_the_resolution_over_the_scale_factor_where_the_model_rea
         most = int(re.search(r"(\d+) px at most", message).group(1))
         assert models.latent_size(most, transformer, scale) == largest * patch
         assert most < resolution
+
+
+def test_under_bf16_every_transformer_forward_runs_in_bfloat16_and_what_they_feed_in_float32(
+    tiny_dir, tmp_path
+):
+    """train.mixed_precision bf16 on the CPU: sampling, the old and reference velocities and the
+    trained one all compute their products in bfloat16 (attention's softmax product in float32);
+    latents, losses, gradients and the LoRA weights are float32."""
+    trainer = Trainer(config(tiny_dir, tmp_path, "marble", mixed_precision="bf16"))
+    assert {type(p) for p in trainer.transformer.attn_processors.values()} == {Float32Attention}
+    seen: list[torch.dtype] = []
+    layer = trainer.transformer.transformer_blocks[0].ff.net[2]  # a linear layer of every forward
+    handle = layer.register_forward_hook(lambda module, args, out: seen.append(out.dtype))
+    try:
+        batch = trainer.score(trainer.sample(0))
+        assert len(seen) == trainer.config.sampling.num_steps  # one forward per sampler step
+        assert batch.latents.dtype == torch.float32
+        seen.clear()
+        advantages = trainer.advantages(batch, 0)[batch.local]
+        losses, kl = trainer.losses(
+            batch, torch.arange(2), advantages[:2], 0, torch.randn_like(batch.latents[:2])
+        )
+    finally:
+        handle.remove()
+    assert seen == [torch.bfloat16] * 3  # old, reference, trained
+    assert losses.dtype == kl.dtype == torch.float32
+    (losses.sum() + kl).backward()
+    assert all(p.grad is not None and p.grad.dtype == torch.float32 for p in trainer.params)
