@@ -62,6 +62,7 @@ from transformers import (
 )
 
 from mogo_diffusion.config import HUB_ID, LORA_TARGETS
+from mogo_diffusion.peft_adapters import selected
 from mogo_diffusion.tokenizers import DEFAULT_CORPUS, clip_tokenizer, t5_tokenizer
 
 __all__ = [
@@ -611,23 +612,16 @@ def _cached_lora_layers(transformer: nn.Module) -> list[LoraLayer]:
 def _selected(transformer: SD3Transformer2DModel, name: str | None) -> Iterator[SD3Transformer2DModel]:
     """Select adapter ``name`` (``None``: disable all) in every LoRA layer; restore on exit.
 
-    The layers' selection is switched directly: peft's ``set_adapter`` and ``enable_adapters`` walk
-    the model and reset ``requires_grad``, while what trains is the caller's choice.
+    The layers' selection is switched directly (:func:`mogo_diffusion.peft_adapters.selected`):
+    peft's ``set_adapter`` and ``enable_adapters`` walk the model and reset ``requires_grad``,
+    while what trains is the caller's choice.
     """
     layers = _cached_lora_layers(transformer)
     if name is not None and name not in transformer.peft_config:
         loaded = list(transformer.peft_config)
         raise ValueError(f"no LoRA adapter named {name!r}; the transformer has {loaded}")
-    saved = [(layer._active_adapter, layer._disable_adapters) for layer in layers]
-    try:
-        for layer in layers:
-            if name is not None:
-                layer._active_adapter = [name]
-            layer._disable_adapters = name is None
+    with selected(layers, name):
         yield transformer
-    finally:
-        for layer, (active, disabled) in zip(layers, saved, strict=True):
-            layer._active_adapter, layer._disable_adapters = active, disabled
 
 
 def adapter(transformer: SD3Transformer2DModel, name: str) -> AbstractContextManager[SD3Transformer2DModel]:

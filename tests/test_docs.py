@@ -35,6 +35,7 @@ DIFFUSION_MODULES = (
     "tokenizers",
     "sampling",
     "attention",
+    "peft_adapters",
     "nft",
     "advantages",
     "rewards",
