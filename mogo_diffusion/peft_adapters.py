@@ -17,13 +17,10 @@ from contextlib import contextmanager
 
 from peft.tuners.tuners_utils import BaseTunerLayer
 
-__all__ = ["Selection", "selected", "selection"]
-
-Selection = tuple[list[str], bool]
-"""A layer's selection: its active adapter names and whether adapters are disabled."""
+__all__ = ["selected", "selection"]
 
 
-def selection(layer: BaseTunerLayer) -> Selection:
+def selection(layer: BaseTunerLayer) -> tuple[list[str], bool]:
     """``layer``'s active adapter names (its own list, as it holds it) and whether its adapters
     are disabled."""
     return layer._active_adapter, layer._disable_adapters
