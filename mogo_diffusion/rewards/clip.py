@@ -46,6 +46,7 @@ __all__ = [
     "ImageTransform",
     "PickScore",
     "load_processor",
+    "tokenize",
 ]
 
 PICKSCORE_MODEL = "yuvalkirstain/PickScore_v1"
@@ -232,13 +233,7 @@ class ClipEncoder:
         """B prompts to unit text embeddings ``w``, ``[B, D]`` float32."""
         out = [torch.empty(0, self.model.config.projection_dim, device=self.device)]  # for B = 0
         for chunk in self._chunks(len(prompts)):
-            tokens = self.tokenizer(
-                list(prompts[chunk]),
-                padding=True,
-                truncation=True,
-                max_length=self.max_length,
-                return_tensors="pt",
-            ).to(self.device)
+            tokens = tokenize(self.tokenizer, prompts[chunk], self.max_length, self.device)
             output = self.model.text_model(
                 input_ids=tokens["input_ids"], attention_mask=tokens["attention_mask"]
             )
@@ -249,6 +244,13 @@ class ClipEncoder:
     def cosine(self, images: Tensor, prompts: Sequence[str]) -> Tensor:
         """``<u_i, w_i>``, each image with its own prompt: ``[B]`` float32."""
         return (self.image_embeds(images) * self.text_embeds(prompts)).sum(dim=-1)
+
+
+def tokenize(tokenizer: Any, prompts: Sequence[str], max_length: int, device: torch.device) -> Any:
+    """The ``input_ids`` and ``attention_mask`` (``[B, L]``, on ``device``) of ``tokenizer`` for B
+    ``prompts``, padded to the longest and truncated to ``max_length`` tokens."""
+    options = {"padding": True, "truncation": True, "max_length": max_length, "return_tensors": "pt"}
+    return tokenizer(list(prompts), **options).to(device)
 
 
 def load_processor(
@@ -275,10 +277,23 @@ def load_processor(
 
 
 class EncoderReward:
-    """The part every CLIP-scored reward shares: it scores through ``self.encoder``, a
-    :class:`ClipEncoder`, which :meth:`to` moves."""
+    """The part every CLIP-scored reward shares: a call checks the batch (the metadata is not read)
+    and returns :meth:`score`, computed through ``self.encoder``, a :class:`ClipEncoder`, which
+    :meth:`to` moves."""
 
     encoder: ClipEncoder
+
+    def __call__(
+        self, images: Tensor, prompts: Sequence[str], metadata: Sequence[Mapping[str, Any]] | None = None
+    ) -> Tensor:
+        check_batch(images, prompts, metadata)
+        return self.score(images, prompts)
+
+    @torch.no_grad()
+    def score(self, images: Tensor, prompts: Sequence[str]) -> Tensor:
+        """``[B]`` float32 scores of ``[B, 3, H, W]`` images in ``[0, 1]`` and their B prompts: the
+        cosine ``<u_i, w_i>`` (:meth:`ClipEncoder.cosine`), unless a reward says otherwise."""
+        return self.encoder.cosine(images, prompts)
 
     def to(self, device: torch.device | str) -> EncoderReward:
         """Move the model; returns ``self``."""
@@ -326,10 +341,9 @@ class PickScore(EncoderReward):
             local_files_only=local_files_only,
         )
 
-    def __call__(
-        self, images: Tensor, prompts: Sequence[str], metadata: Sequence[Mapping[str, Any]] | None = None
-    ) -> Tensor:
-        check_batch(images, prompts, metadata)
+    @torch.no_grad()
+    def score(self, images: Tensor, prompts: Sequence[str]) -> Tensor:
+        """``exp(logit_scale) * <u_i, w_i> / 26``, ``[B]`` float32."""
         temperature = self.encoder.model.logit_scale.float().exp()
         return temperature * self.encoder.cosine(images, prompts) / _PICKSCORE_SCALE
 
@@ -369,12 +383,6 @@ class ClipScore(EncoderReward):
             local_files_only=local_files_only,
             interpolation="bilinear",
         )
-
-    def __call__(
-        self, images: Tensor, prompts: Sequence[str], metadata: Sequence[Mapping[str, Any]] | None = None
-    ) -> Tensor:
-        check_batch(images, prompts, metadata)
-        return self.encoder.cosine(images, prompts)
 
 
 class AestheticPredictor(nn.Module):
@@ -485,8 +493,6 @@ class Aesthetic(EncoderReward):
         return self
 
     @torch.no_grad()
-    def __call__(
-        self, images: Tensor, prompts: Sequence[str], metadata: Sequence[Mapping[str, Any]] | None = None
-    ) -> Tensor:
-        check_batch(images, prompts, metadata)
+    def score(self, images: Tensor, prompts: Sequence[str]) -> Tensor:
+        """``MLP(u_i)``, ``[B]`` float32; the prompts are not read."""
         return self.predictor(self.encoder.image_embeds(images))

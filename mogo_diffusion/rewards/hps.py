@@ -41,14 +41,13 @@ from __future__ import annotations
 
 import os
 import re
-from collections.abc import Mapping, Sequence
-from typing import Any
+from collections.abc import Mapping
 
 import torch
 from torch import Tensor
 
 from mogo_diffusion import hub
-from mogo_diffusion.rewards.base import check_batch, check_batch_size, floating_dtype
+from mogo_diffusion.rewards.base import check_batch_size, floating_dtype
 from mogo_diffusion.rewards.clip import CLIP_H14, ClipEncoder, EncoderReward, ImageTransform, load_processor
 from mogo_diffusion.rewards.registry import register_reward
 
@@ -180,9 +179,3 @@ class HPSv21(EncoderReward):
         clip.to(device=device, dtype=dtype)
         transform = ImageTransform.from_processor(image_config, fit="pad")
         self.encoder = ClipEncoder(clip, tokenizer, transform, batch_size=batch_size)
-
-    def __call__(
-        self, images: Tensor, prompts: Sequence[str], metadata: Sequence[Mapping[str, Any]] | None = None
-    ) -> Tensor:
-        check_batch(images, prompts, metadata)
-        return self.encoder.cosine(images, prompts)

@@ -63,7 +63,7 @@ from torch import Tensor, nn
 
 from mogo_diffusion import hub
 from mogo_diffusion.rewards.base import check_batch, check_batch_size, floating_dtype
-from mogo_diffusion.rewards.clip import AestheticPredictor, ImageTransform
+from mogo_diffusion.rewards.clip import AestheticPredictor, ImageTransform, tokenize
 from mogo_diffusion.rewards.registry import register_reward
 
 __all__ = [
@@ -389,12 +389,6 @@ class ImageReward:
         for start in range(0, images.shape[0], self.batch_size):
             part = slice(start, start + self.batch_size)
             pixels = self.transform(images[part]).to(device=self.device, dtype=dtype)
-            tokens = self.tokenizer(
-                list(prompts[part]),
-                padding=True,
-                truncation=True,
-                max_length=self.max_length,
-                return_tensors="pt",
-            ).to(self.device)
+            tokens = tokenize(self.tokenizer, prompts[part], self.max_length, self.device)
             out.append(self.model(pixels, tokens["input_ids"], tokens["attention_mask"]))
         return torch.cat(out)
