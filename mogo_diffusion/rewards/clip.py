@@ -418,7 +418,7 @@ class AestheticPredictor(nn.Module):
             FileNotFoundError: no such file (the message says where to get it).
             ValueError: the file is not such a state dict (the message names the file and the mismatch).
         """
-        path = Path(path).expanduser()
+        path = Path(os.path.expanduser(path))
         if not path.is_file():
             raise FileNotFoundError(
                 f"aesthetic predictor weights {str(path)!r} not found; download {AESTHETIC_FILE} from "

@@ -296,7 +296,7 @@ def _is_converted(path: Path) -> bool:
 def _original_checkpoint(model: str | os.PathLike[str], only_local: bool) -> Path | None:
     """The published checkpoint named by ``model`` (a file, a directory holding
     :data:`IMAGEREWARD_FILE`, or a hub id), or None where ``model`` is a converted directory."""
-    if _is_converted(Path(model).expanduser()):
+    if _is_converted(Path(os.path.expanduser(model))):
         return None
     return hub.checkpoint_file(
         model, IMAGEREWARD_FILE, "ImageReward checkpoint", repo=IMAGEREWARD_REPO, only_local=only_local

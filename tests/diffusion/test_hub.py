@@ -104,6 +104,20 @@ def test_resolve_names_what_and_the_path_in_its_errors(tmp_path, monkeypatch):
     assert resolve("org/name", "model", revision="v1") == Source("org/name", False)
 
 
+def test_a_home_of_no_user_is_a_missing_path_wherever_weights_are_named():
+    """``Path.expanduser`` raises RuntimeError on ``~user`` of no user; the loaders say what is missing."""
+    from mogo_diffusion.rewards.clip import AestheticPredictor
+    from mogo_diffusion.rewards.imagereward import ImageReward
+
+    missing = "~no-such-user-of-mogo/weights"
+    with pytest.raises(FileNotFoundError, match="no-such-user-of-mogo"):
+        resolve(missing, "model")
+    with pytest.raises(FileNotFoundError, match="no-such-user-of-mogo"):
+        AestheticPredictor.from_file(missing)
+    with pytest.raises(FileNotFoundError, match="no-such-user-of-mogo"):
+        ImageReward(missing)
+
+
 # offline ------------------------------------------------------------------------------------------
 
 
