@@ -44,8 +44,9 @@ from typing import Any, Literal, Union, get_args, get_origin, get_type_hints
 
 import yaml
 
+from mogo_diffusion.hub import HUB_ID
+
 __all__ = [
-    "HUB_ID",
     "LORA_TARGETS",
     "MAX_DEPTH",
     "REMOVED",
@@ -111,9 +112,6 @@ LORA_TARGETS: tuple[str, ...] = (
     "to_add_out",
 )
 """The attention projections that carry LoRA (image and text streams of every joint block)."""
-
-HUB_ID = re.compile(r"[A-Za-z0-9][\w.-]*/[\w.-]+")
-"""A model hub id, ``org/name`` (matched in full); the config and the loaders accept the same."""
 
 
 @dataclass
