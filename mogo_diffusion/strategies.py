@@ -393,7 +393,11 @@ class MarbleReleased(Strategy):
                     f"({released!r}), got {value!r}"
                 )
         K = len(self.names)
-        fixed = {"solved": None, "equal": [1.0 / K] * K}.get(strategy.alpha, strategy.alpha)
+        fixed = (
+            strategy.alpha
+            if isinstance(strategy.alpha, list)
+            else {"solved": None, "equal": [1.0 / K] * K}[strategy.alpha]
+        )
         try:
             self.schedule = ReleasedSchedule(
                 K,
