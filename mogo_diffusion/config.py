@@ -307,7 +307,8 @@ class NormalizeThenSumConfig:
     by ``rewards[*].weight`` (1 each when no reward has one).
 
     Attributes:
-        std_scope: each reward's std within its prompt ``"group"`` (TRL) or over the ``"batch"``.
+        std_scope: each reward's std within its prompt ``"group"`` (TRL) or over the ``"batch"``;
+            it replaces ``nft.std_scope`` (the per-reward strategies' choice) for this strategy.
         bessel: the Bessel-corrected std (``n - 1``, TRL's), or the population std.
         batch_norm: re-normalise the weighted sum over the batch (TRL always does).
         rescale_masked: divide a reward's normalised values by the share of the batch it applies
@@ -315,7 +316,7 @@ class NormalizeThenSumConfig:
     """
 
     name: Literal["normalize_then_sum"] = "normalize_then_sum"
-    std_scope: Literal["group", "batch"] = "group"
+    std_scope: Literal["group", "batch"] = "group"  # this strategy's, in place of nft.std_scope
     bessel: bool = True
     batch_norm: bool = True
     rescale_masked: bool = False
@@ -352,14 +353,17 @@ class FamoConfig:
     (:mod:`mogo_diffusion.reward_rates`); they start at ``rewards[*].weight`` (equal without).
 
     Attributes:
-        window: epochs (>= 2) whose per-reward batch means give each reward's improvement rate.
-        lr: the length of each epoch's step of the weights' logits.
+        window: epochs (>= 2) whose per-reward batch means give each reward's improvement rate
+            (the least-squares slope; more epochs, less noise, slower to react).
+        lr: the step size in logits per unit of rate (a rate is a reward's change per epoch in
+            units of its within-epoch std: a lag of 0.02 std an epoch behind four equally
+            weighted others moves its logit up by about ``lr * 0.2 * 0.02`` an epoch).
         reward_scale, nan: as :class:`WeightedSumConfig`'s.
     """
 
     name: Literal["famo"] = "famo"
-    window: int = _field(4, check=(">= 2", lambda x: x >= 2))
-    lr: float = _field(0.05, check=POSITIVE)
+    window: int = _field(8, check=(">= 2", lambda x: x >= 2))
+    lr: float = _field(5.0, check=POSITIVE)
     reward_scale: Literal["raw", "zscore"] = "zscore"
     nan: Literal["zero", "raise"] = "zero"
 

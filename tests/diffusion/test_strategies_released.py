@@ -14,6 +14,7 @@ from scipy.optimize import minimize
 
 import mogo
 from mogo_diffusion import models
+from mogo_diffusion.checkpoint import load_checkpoint
 from mogo_diffusion.config import Config, ConfigError
 from mogo_diffusion.released_marble import (
     NORM_FLOOR,
@@ -24,7 +25,8 @@ from mogo_diffusion.released_marble import (
 )
 from mogo_diffusion.strategies import STATE_KEY
 from mogo_diffusion.train import MicroBatch, Trainer
-from tests.diffusion.test_train import config, flat, forward, one_step
+from tests.diffusion.test_train import WORKER, config, flat, forward, one_step
+from tests.launch import accelerate_launch, launch
 
 NAN = math.nan
 EPS32 = torch.finfo(torch.float32).eps
@@ -322,3 +324,24 @@ def test_bad_settings_are_named(tiny_dir, tmp_path, change, message):
         data[section].update(values)
     with pytest.raises(ConfigError, match=message):
         make_strategy(Config.from_dict(data))
+
+
+def test_under_two_processes_the_released_solve_and_famo_keep_the_ranks_identical(tiny_dir, tmp_path):
+    """Each reward's gradient is averaged over the processes before the solve (one all-reduce,
+    real gloo), and famo's weights come from the gathered rewards: the ranks stay identical."""
+    paths = []
+    for name, strategy in (
+        ("released", {"name": "marble_released", "harmonize_every": 2}),
+        ("famo", {"name": "famo", "window": 2}),
+    ):
+        data = config(tiny_dir, tmp_path / name, batch_size=2).to_dict()
+        data["strategy"] = strategy
+        paths.append(tmp_path / f"{name}.yaml")
+        Config.from_dict(data).save(paths[-1])
+    command = [*accelerate_launch(), str(WORKER), str(tmp_path), *map(str, paths)]
+    ranks = launch(command, tmp_path, env={"ACCELERATE_USE_CPU": "1"})
+    for path in paths:
+        first, second = (rank[path.stem] for rank in ranks)
+        assert torch.equal(first["params"], second["params"])
+    saved = load_checkpoint(tmp_path / "released" / "checkpoints" / "step-000002")
+    assert saved["optimizer"][STATE_KEY]["solves"] == 2  # step 0: one micro-batch of 2 timesteps
