@@ -11,7 +11,6 @@ import pytest
 import torch
 
 from mogo.testing import STUDY_BATCH, noise_study, planted_conflict
-from mogo_diffusion import models
 from mogo_diffusion.config import Config
 from mogo_diffusion.nft import nft_loss
 from mogo_diffusion.noise import NoiseMeter, batch_halves, main
@@ -65,13 +64,6 @@ def test_a_reward_that_applies_nowhere_is_left_out_of_the_cosines():
         "noise_share_batches": None,
     }  # fmt: skip
     assert summary["rewards"]["a"]["pairs"] == 2
-
-
-@pytest.fixture(scope="module")
-def tiny_dir(tmp_path_factory):
-    path = tmp_path_factory.mktemp("tiny-sd3")
-    models.tiny_sd3("smoke").save_pretrained(path)
-    return path
 
 
 def test_the_half_gradients_are_the_halves_nft_gradients(tiny_dir, tmp_path):

@@ -6,29 +6,15 @@ from __future__ import annotations
 import pytest
 import torch
 
-from mogo_diffusion import compare, models
+from mogo_diffusion import compare
 from mogo_diffusion.config import Config, ConfigError
 from mogo_diffusion.nft import kl_loss, nft_loss
 from mogo_diffusion.strategies import make_strategy
 from mogo_diffusion.train import MicroBatch, Trainer
-from tests.diffusion.test_train import config, flat, forward, grads_of, one_step
+from tests.diffusion.strategy_runs import with_strategy
+from tests.diffusion.test_train import flat, forward, grads_of, one_step
 
 EPS32 = torch.finfo(torch.float32).eps
-
-
-@pytest.fixture(scope="module")
-def tiny_dir(tmp_path_factory):
-    path = tmp_path_factory.mktemp("tiny-sd3")
-    models.tiny_sd3("smoke").save_pretrained(path)
-    return path
-
-
-def with_strategy(tiny_dir, out, weights=(1.0, 1.0, 1.0), **strategy) -> Config:
-    data = config(tiny_dir, out).to_dict()
-    data["strategy"] = strategy
-    for spec, weight in zip(data["rewards"], weights, strict=True):
-        spec["weight"] = weight
-    return Config.from_dict(data)
 
 
 def test_a_cross_fitted_micro_batch_gives_its_halves_losses_and_the_batchs_update(tiny_dir, tmp_path):

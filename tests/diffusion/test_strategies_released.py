@@ -13,7 +13,6 @@ from hypothesis import strategies as st
 from scipy.optimize import minimize
 
 import mogo
-from mogo_diffusion import models
 from mogo_diffusion.checkpoint import load_checkpoint
 from mogo_diffusion.config import Config, ConfigError
 from mogo_diffusion.released_marble import (
@@ -25,6 +24,7 @@ from mogo_diffusion.released_marble import (
 )
 from mogo_diffusion.strategies import STATE_KEY
 from mogo_diffusion.train import MicroBatch, Trainer
+from tests.diffusion.strategy_runs import with_strategy
 from tests.diffusion.test_train import WORKER, config, flat, forward, one_step
 from tests.launch import accelerate_launch, launch
 
@@ -32,17 +32,8 @@ NAN = math.nan
 EPS32 = torch.finfo(torch.float32).eps
 
 
-@pytest.fixture(scope="module")
-def tiny_dir(tmp_path_factory):
-    path = tmp_path_factory.mktemp("tiny-sd3")
-    models.tiny_sd3("smoke").save_pretrained(path)
-    return path
-
-
 def released_config(tiny_dir, out, **strategy) -> Config:
-    data = config(tiny_dir, out).to_dict()
-    data["strategy"] = {"name": "marble_released", **strategy}
-    return Config.from_dict(data)
+    return with_strategy(tiny_dir, out, name="marble_released", **strategy)
 
 
 # ---- the schedule -----------------------------------------------------------------------------

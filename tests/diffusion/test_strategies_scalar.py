@@ -11,28 +11,14 @@ import torch
 from hypothesis import given
 from hypothesis import strategies as st
 
-from mogo_diffusion import models
 from mogo_diffusion.advantages import normalize_then_sum, weighted_sum_advantages, zscore_rewards
 from mogo_diffusion.config import Config, ConfigError
 from mogo_diffusion.reward_rates import ImprovementWeights, improvement_rates, logit_step
 from mogo_diffusion.strategies import STATE_KEY, make_strategy
 from mogo_diffusion.train import Trainer
-from tests.diffusion.test_train import config
+from tests.diffusion.strategy_runs import with_strategy
 
-
-@pytest.fixture(scope="module")
-def tiny_dir(tmp_path_factory):
-    path = tmp_path_factory.mktemp("tiny-sd3")
-    models.tiny_sd3("smoke").save_pretrained(path)
-    return path
-
-
-def with_strategy(tiny_dir, out, weights=(1.0, 2.0, 0.5), **strategy) -> Config:
-    data = config(tiny_dir, out).to_dict()
-    data["strategy"] = strategy
-    for spec, weight in zip(data["rewards"], weights, strict=True):
-        spec["weight"] = weight
-    return Config.from_dict(data)
+WEIGHTS = (1.0, 2.0, 0.5)
 
 
 # ---- normalize_then_sum ------------------------------------------------------------------------
@@ -40,13 +26,13 @@ def with_strategy(tiny_dir, out, weights=(1.0, 2.0, 0.5), **strategy) -> Config:
 
 def test_normalize_then_sum_trains_on_gdpos_advantage_with_the_rewards_weights(tiny_dir, tmp_path):
     strategy = {"name": "normalize_then_sum", "std_scope": "batch", "bessel": False, "rescale_masked": True}
-    trainer = Trainer(with_strategy(tiny_dir, tmp_path, **strategy))
+    trainer = Trainer(with_strategy(tiny_dir, tmp_path, WEIGHTS, **strategy))
     batch = trainer.score(trainer.sample(0))
     expected = normalize_then_sum(
         batch.rewards, [1.0, 2.0, 0.5], batch.prompts, std_scope="batch", ddof=0, rescale_masked=True
     )
     torch.testing.assert_close(trainer.advantages(batch, 0)[:, 0], expected, rtol=0, atol=0)
-    data = with_strategy(tiny_dir, tmp_path, **strategy).to_dict()
+    data = with_strategy(tiny_dir, tmp_path, WEIGHTS, **strategy).to_dict()
     for spec in data["rewards"]:
         spec["weight"] = None  # no weights: 1 each
     unweighted = make_strategy(Config.from_dict(data)).advantages(batch.rewards, batch.prompts, 0)
@@ -158,7 +144,7 @@ def test_weights_move_once_the_window_is_full_and_an_epoch_counts_once():
 
 
 def test_famo_weighs_each_epochs_sum_by_its_weights_and_resumes_them(tiny_dir, tmp_path):
-    trainer = Trainer(with_strategy(tiny_dir, tmp_path, name="famo", window=2, lr=50.0))
+    trainer = Trainer(with_strategy(tiny_dir, tmp_path, WEIGHTS, name="famo", window=2, lr=50.0))
     strategy = trainer.strategy
     assert strategy.weights() == pytest.approx([1 / 3.5, 2 / 3.5, 0.5 / 3.5])
     for epoch in range(3):
@@ -176,7 +162,7 @@ def test_famo_weighs_each_epochs_sum_by_its_weights_and_resumes_them(tiny_dir, t
     torch.testing.assert_close(advantages, expected, rtol=0, atol=0)
     saved = trainer.optimizer.state_dict()
     assert saved[STATE_KEY] == strategy.rates.state_dict()
-    other = Trainer(with_strategy(tiny_dir, tmp_path / "b", name="famo", window=2, lr=50.0))
+    other = Trainer(with_strategy(tiny_dir, tmp_path / "b", WEIGHTS, name="famo", window=2, lr=50.0))
     other.optimizer.load_state_dict(saved)
     assert other.strategy.weights() == strategy.weights()
 
