@@ -142,6 +142,12 @@ class Strategy:
         self.keep_state_in(self.optimizer)
         return self.optimizer
 
+    def traverses_twice(self) -> bool:
+        """Whether the next :meth:`backward` goes through the losses' graph more than once (one
+        gradient per objective): a compiled forward cannot serve it
+        (:mod:`mogo_diffusion.compilation`)."""
+        return False
+
     def state_dict(self) -> dict[str, Any] | None:
         """The strategy's own state for a checkpoint (plain data), or None: it has none."""
         return None
@@ -325,6 +331,9 @@ class Marble(Strategy):
         )
         return self.optimizer
 
+    def traverses_twice(self) -> bool:
+        return self.optimizer.solves_next
+
     def reward_weights(self) -> list[float]:
         """``rewards[*].weight`` (1 each without): the weighted sum the diagnostics compare with."""
         return [1.0 if spec.weight is None else spec.weight for spec in self.config.rewards]
@@ -413,6 +422,10 @@ class MarbleReleased(Strategy):
     def advantages(self, rewards: Tensor, groups: Sequence[Hashable], epoch: int) -> Tensor:
         """Per-reward advantages with the batch's std and no clipping (the loss clips)."""
         return per_reward_advantages(rewards, groups, std_scope="batch", adv_clip=math.inf, names=self.names)
+
+    def traverses_twice(self) -> bool:
+        """A solving micro-step takes K gradients through one graph."""
+        return self.schedule.solving()
 
     def losses(self, terms: NFTTerms, advantages: Tensor) -> Tensor:
         """``[K]`` masked per-reward losses when this micro-step solves, else ``[1]``: the NFT loss

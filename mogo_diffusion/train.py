@@ -56,6 +56,7 @@ from mogo_diffusion.checkpoint import (
     load_checkpoint,
     save_checkpoint,
 )
+from mogo_diffusion.compilation import compile_transformer, should_compile
 from mogo_diffusion.config import LORA_TARGETS, Config, ConfigError, add_config_arguments, config_from_args
 from mogo_diffusion.evaluate import plot_run, save_comparison
 from mogo_diffusion.nft import kl_loss, nft_terms
@@ -336,6 +337,8 @@ class Trainer:
                 config.model.lora_alpha,
                 targets=config.model.lora_targets,
             )
+        if should_compile(config.train.compile, config.train.epochs):
+            compile_transformer(self.transformer)
         self.params = models.lora_parameters(self.transformer)
         for p in self.params:  # trained in float32 whatever the frozen weights' dtype
             p.data = p.data.float()
@@ -487,8 +490,10 @@ class Trainer:
     ) -> tuple[torch.Tensor, torch.Tensor | None]:
         """The ``[J]`` NFT losses and the KL term (None when ``nft.kl_coef`` is 0) of the local
         rows ``index`` at the trained timestep ``t = sigma_j`` with noise ``eps``; the trained
-        forward has its adapter fused into the weights (:func:`~mogo_diffusion.models.fused`);
-        all three run under the run's autocast (:meth:`autocast`)."""
+        forward has its adapter fused into the weights (:func:`~mogo_diffusion.models.fused`),
+        and runs eagerly when the strategy's backward goes through it once per objective (a
+        compiled graph is traversed once); all three run under the run's autocast
+        (:meth:`autocast`)."""
         nft = self.config.nft
         x0 = batch.latents[index]
         t = float(batch.sigmas[j])
@@ -508,7 +513,8 @@ class Trainer:
             if nft.kl_coef > 0:
                 with models.reference(self.transformer):
                     v_ref = self.transformer(**inputs)[0]
-        with self.autocast(), models.fused(self.transformer, models.TRAINED):
+        eager = torch.compiler.set_stance("force_eager") if self.strategy.traverses_twice() else nullcontext()
+        with self.autocast(), models.fused(self.transformer, models.TRAINED), eager:
             v = self.transformer(**inputs)[0]
         kl = kl_loss(v, v_ref, kl_coef=nft.kl_coef) if v_ref is not None else None
         return self.strategy.losses(nft_terms(v, v_old, x_t, x0, t, beta=nft.beta), advantages), kl

@@ -248,6 +248,7 @@ def test_a_solving_micro_step_is_the_releases_formula_and_blends_alpha(tiny_dir,
         fresh.append(torch.from_numpy(alpha))
         direction = norms.mean() * (torch.from_numpy(alpha) @ unit)
         expected_grad = expected_grad + direction.float() + grad(kl_term(v, v_ref), trainer.params)
+    assert trainer.strategy.traverses_twice()  # K gradients through one graph: run eagerly
     trainer.gradients(batch, [MicroBatch(index, adv, timesteps, noise)])
     # SLSQP's iterates depend on the float32 gradients' round-off: alpha agrees to its tolerance
     schedule = trainer.strategy.schedule
@@ -258,7 +259,8 @@ def test_a_solving_micro_step_is_the_releases_formula_and_blends_alpha(tiny_dir,
     assert schedule.last_solve == 0
     trainer.update()
     assert schedule.step == 1
-    assert not schedule.solving()
+    assert not schedule.solving()  # step 1 reuses the cached alpha
+    assert not trainer.strategy.traverses_twice()
 
 
 def test_the_exact_solver_gives_the_min_norm_point_of_the_unit_gradients(tiny_dir, tmp_path):
