@@ -64,6 +64,10 @@ DIFFUSION_MODULES = (
     "figures",
     "study",
     "preflight",
+    "released_marble",
+    "reward_rates",
+    "soups",
+    "noise",
 )
 
 
