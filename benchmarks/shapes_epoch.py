@@ -31,7 +31,7 @@ from mogo_diffusion.shapes.recipe import shapes_config
 from mogo_diffusion.train import Trainer
 
 out, epochs, overrides = sys.argv[1], int(sys.argv[2]), json.loads(sys.argv[3])
-trainer = Trainer(load_config(None, [*overrides, f"train.out_dir={out}"], shapes_config()))
+trainer = Trainer.from_config(load_config(None, [*overrides, f"train.out_dir={out}"], shapes_config()))
 phases = {"sample": 0.0, "score": 0.0}
 for name in phases:
     method = getattr(trainer, name)

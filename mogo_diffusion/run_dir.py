@@ -14,7 +14,9 @@ Beside ``config.yaml``, ``checkpoints/``, ``samples.png`` and ``curves.png``, a 
   (Windows), no claim is taken and :func:`claim` warns so: run one process per directory there.
 * ``metrics.jsonl``, one JSON record per logged epoch, in increasing epochs: a run resumed at
   epoch ``e`` first keeps the records of the epochs before ``e`` only, so no epoch is logged
-  twice, and :func:`read_metrics` drops a last line that a kill cut off, with a warning.
+  twice, and :func:`read_metrics` drops a last line that a kill cut off, with a warning. The
+  record of epoch ``e`` holds what epoch ``e`` measured and the evaluation after it; a fresh run
+  first logs the pretrained model's evaluation as epoch :data:`PRETRAINED_EPOCH`.
 * ``finished.json``, the marker (:func:`mark_finished`), written last and atomically, after the
   final checkpoint and the figures: the fingerprint, the epochs trained, and the final
   checkpoint's name and digest. A run without it is unfinished, however far its metrics go.
@@ -66,6 +68,7 @@ __all__ = [
     "LOCK",
     "METRICS",
     "PACKED_FORMAT",
+    "PRETRAINED_EPOCH",
     "RECORD",
     "RESUME_MAY_CHANGE",
     "RunDirError",
@@ -96,6 +99,9 @@ LOCK = "run.lock"
 """The file a training process holds its claim on (its pid inside, for the messages of others)."""
 METRICS = "metrics.jsonl"
 """One JSON record per logged epoch."""
+PRETRAINED_EPOCH = -1
+"""The epoch of the metrics record of the pretrained model's evaluation, logged before epoch 0's
+record (which holds the evaluation after epoch 0's training)."""
 FINISHED = "finished.json"
 """The marker of a finished run, written last."""
 _FORMAT = "mogo-run/1"
