@@ -35,7 +35,7 @@ from matplotlib.figure import Figure  # the class only: no backend is chosen by 
 from torch import Tensor
 
 from mogo_diffusion.rewards import to_uint8
-from mogo_diffusion.run_dir import PRETRAINED_EPOCH, read_metrics
+from mogo_diffusion.run_dir import read_metrics
 
 if TYPE_CHECKING:
     from types import ModuleType
@@ -144,12 +144,9 @@ def learning_curve(history: Sequence[Mapping[str, Any]], key: str, start: float)
     """A run's evaluations of ``key`` from its metrics records ``history``: the images trained on
     until then (each epoch's ``images_per_second * seconds``), the CPU minutes of training (the
     epochs' ``seconds`` of one thread, evaluations excluded) and the value, after the pretrained
-    model's value ``start`` at 0 (which stands for the run's own record of it, if it has one);
-    empty if the run logged none."""
+    model's value ``start`` at 0; empty if the run logged none."""
     points, seconds, images = [{"images": 0.0, "minutes": 0.0, "value": start}], 0.0, 0.0
     for record in history:
-        if record.get("epoch") == PRETRAINED_EPOCH:  # the run's own evaluation of ``start``
-            continue
         seconds += record.get("seconds", 0.0)
         images += record.get("images_per_second", 0.0) * record.get("seconds", 0.0)
         if key in record:
@@ -259,9 +256,10 @@ def run_curves(records: Sequence[Mapping[str, Any]]) -> Figure:
 
 def plot_run(run_dir: str | os.PathLike[str], out: str | os.PathLike[str] | None = None) -> Path:
     """Plot a run's per-reward curves, alpha and conflict rate (:func:`run_curves` of its
-    metrics); returns the PNG (default ``run_dir/curves.png``)."""
+    metrics, the pretrained model's evaluation included); returns the PNG (default
+    ``run_dir/curves.png``)."""
     path = Path(out) if out is not None else Path(run_dir) / "curves.png"
-    return save(run_curves(read_metrics(run_dir)), path, dpi=110)
+    return save(run_curves(read_metrics(run_dir, pretrained=True)), path, dpi=110)
 
 
 def first_rows(prompts: Sequence[str], count: int) -> list[int]:

@@ -129,7 +129,7 @@ def run_summary(out: Path, names: Sequence[str], checkpoint: Path) -> str:
     """What a finished run in ``out`` did and wrote: :func:`held_out_table` of its metrics (when it
     was evaluated), then the run directory, ``samples.png``, ``curves.png``, ``metrics.jsonl`` and
     the final ``checkpoint``, each where it exists."""
-    records = read_metrics(out)
+    records = read_metrics(out, pretrained=True)
     lines = []
     if any(k.startswith("eval/") for r in records for k in r):
         lines += [held_out_table(records, names), ""]

@@ -388,8 +388,10 @@ def append_metrics(directory: str | os.PathLike[str], record: Mapping[str, Any])
         file.write(json.dumps(record) + "\n")
 
 
-def read_metrics(directory: str | os.PathLike[str]) -> list[dict[str, Any]]:
-    """The records of ``directory/metrics.jsonl``, one per logged epoch, in increasing epochs.
+def read_metrics(directory: str | os.PathLike[str], *, pretrained: bool = False) -> list[dict[str, Any]]:
+    """The records of ``directory/metrics.jsonl``, one per logged epoch, in increasing epochs; with
+    ``pretrained``, the pretrained model's evaluation (the record of epoch :data:`PRETRAINED_EPOCH`)
+    first, where the run logged one. Without, the epochs' alone: what comparisons read.
 
     A last line that is not a whole record (the run was killed while writing it) is left out with
     a warning. A record of an epoch at or before its predecessor's (a run resumed before runs kept
@@ -432,7 +434,7 @@ def read_metrics(directory: str | os.PathLike[str]) -> list[dict[str, Any]]:
             "version): the last attempt of each is read",
             stacklevel=2,
         )
-    return records
+    return records if pretrained else [record for record in records if record["epoch"] != PRETRAINED_EPOCH]
 
 
 def _keep_metrics_before(directory: Path, epoch: int) -> None:
@@ -440,7 +442,7 @@ def _keep_metrics_before(directory: Path, epoch: int) -> None:
     path = directory / METRICS
     if not path.is_file():
         return
-    kept = [record for record in read_metrics(directory) if record["epoch"] < epoch]
+    kept = [record for record in read_metrics(directory, pretrained=True) if record["epoch"] < epoch]
     partial = path.with_name(f"{path.name}.partial")
     partial.write_text("".join(json.dumps(record) + "\n" for record in kept))
     os.replace(partial, path)

@@ -322,8 +322,8 @@ class Trainer:
         The run directory (``train.out_dir``; :mod:`mogo_diffusion.run_dir`) is claimed for the
         whole call, and must hold no run unless this trainer continues the one it holds (resumed
         from its checkpoint, or trained before), or ``overwrite`` deletes that run first. A run
-        started afresh first evaluates the pretrained model. Its finished
-        marker is written last, after the final checkpoint and the figures.
+        started afresh first evaluates the pretrained model. Its finished marker is written last,
+        after the final checkpoint and the figures.
 
         Raises:
             RunDirError: another process holds the directory, or it holds another run; nothing

@@ -18,7 +18,6 @@ from mogo_diffusion.shapes.recipe import DEFAULT_REWARDS, REWARDS, shapes_config
 from mogo_diffusion.train import main
 
 
-@pytest.mark.spawns
 def test_the_default_command_trains_the_shapes_world(tmp_path):
     out = tmp_path / "run"
     main(["--set", "train.epochs=2", "--set", f"train.out_dir={out}", "--set", "sampling.prompts_per_epoch=2",

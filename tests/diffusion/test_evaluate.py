@@ -233,7 +233,7 @@ def test_base_is_the_pretrained_model_from_the_same_noise(runs, capsys, tmp_path
     assert from_checkpoint["metrics"] == {k: base["metrics"][k] for k in from_checkpoint["metrics"]}
     assert base["metrics"] == zero["metrics"]
     # the run's first record, its evaluation before training (B = 0), is the pretrained model's
-    pretrained = read_metrics(root / "marble")[0]
+    pretrained = read_metrics(root / "marble", pretrained=True)[0]
     assert pretrained["epoch"] == -1
     assert {k.removeprefix("eval/"): v for k, v in pretrained.items() if k.startswith("eval/")} == {
         k: base["metrics"][k] for k in ("jpeg_compressibility", "sharpness")

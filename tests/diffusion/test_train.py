@@ -551,7 +551,7 @@ def test_the_command_reports_each_epoch_then_the_held_out_table_and_what_it_wrot
     result = subprocess.run([*command, "--set", "train.epochs=2"], env=env, capture_output=True, text=True)
     assert result.returncode == 0, result.stderr[-3000:]
     assert result.stderr == ""  # no warning, no progress bar
-    records = read_metrics(tmp_path / "run")
+    records = read_metrics(tmp_path / "run", pretrained=True)
     assert [r["epoch"] for r in records] == [-1, 0, 1]  # the pretrained model's evaluation first
     assert ["eval/sharpness" in r for r in records] == [True, False, True]  # eval_every 2, and the last
     lines = result.stdout.splitlines()
@@ -645,7 +645,7 @@ def test_shapes_prompts_reach_the_rewards_and_the_evaluation_uses_the_eval_ema(t
     for record in history:
         assert 0 <= record["eval/shapes_color"] <= 1
         assert set(record) >= {"eval/shapes_count", "eval/jpeg_compressibility"}
-    records = read_metrics(tmp_path)
+    records = read_metrics(tmp_path, pretrained=True)
     # the held-out curves start at the pretrained model: the evaluation of the adapters at their
     # initialisation, logged before the first epoch, drawn at 0 epochs trained in curves.png
     assert json.dumps(records[0]) == json.dumps({"epoch": -1, **before})
