@@ -390,8 +390,9 @@ def append_metrics(directory: str | os.PathLike[str], record: Mapping[str, Any])
 
 def read_metrics(directory: str | os.PathLike[str], *, pretrained: bool = False) -> list[dict[str, Any]]:
     """The records of ``directory/metrics.jsonl``, one per logged epoch, in increasing epochs; with
-    ``pretrained``, the pretrained model's evaluation (the record of epoch :data:`PRETRAINED_EPOCH`)
-    first, where the run logged one. Without, the epochs' alone: what comparisons read.
+    ``pretrained``, the pretrained model's evaluation (the record of epoch
+    :data:`~mogo_diffusion.run_dir.PRETRAINED_EPOCH`) first, where the run logged one. Without,
+    the epochs' alone: what comparisons read.
 
     A last line that is not a whole record (the run was killed while writing it) is left out with
     a warning. A record of an epoch at or before its predecessor's (a run resumed before runs kept
