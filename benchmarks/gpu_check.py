@@ -112,7 +112,8 @@ def run_config(args: argparse.Namespace, strategy: dict[str, Any]) -> Config:
             "sampling": {"resolution": args.resolution},
             "rewards": [{"name": name, "weight": 1.0} for name in REWARDS],
             "strategy": strategy,
-            "train": {"batch_size": args.batch, "mixed_precision": "no" if args.tiny else "bf16"},
+            "train": {"batch_size": args.batch, "mixed_precision": "no" if args.tiny else "bf16",
+                      "compile": "no"},  # eager steps, as measured so far
         }
     )  # fmt: skip
 

@@ -47,7 +47,7 @@ from mogo_diffusion.config import Config
 from mogo_diffusion.run_dir import RunDirError
 from mogo_diffusion.shapes.recipe import FINAL_EVAL, POOL
 from mogo_diffusion.study import specialist_gains
-from mogo_diffusion.tables import documents
+from mogo_diffusion.tables import write_documents
 
 STUDY_60: dict[str, Any] = {
     "sampling": {"prompts_per_epoch": 8}, "nft": {"kl_coef": 0.0}, "train": {"batch_size": 64},
@@ -148,9 +148,10 @@ def cells(row: Mapping[str, Any]) -> list[str]:
             "yes" if row["clears"] else "no", f"{row['ratio']:.1f}"]  # fmt: skip
 
 
-def markdown_and_rst(rows: list[dict[str, Any]]) -> tuple[str, str]:
-    """The table as markdown and as an RST list-table (the docs include it)."""
-    return documents(None, [], {None: [("", [list(HEADER), *map(cells, rows)])]})
+def write_table(rows: list[dict[str, Any]], out: Path) -> str:
+    """Write the table to ``out/results.md`` and, as an RST list-table (the docs include it),
+    ``out/results.rst``; returns the markdown."""
+    return write_documents(out, "results", None, [], {None: [("", [list(HEADER), *map(cells, rows)])]})
 
 
 def main(argv: list[str] | None = None) -> list[dict[str, Any]]:
@@ -172,11 +173,8 @@ def main(argv: list[str] | None = None) -> list[dict[str, Any]]:
     except RunDirError as error:
         parser.error(str(error))
     rows = table(runs, gathered.results, gathered.judged_base)
-    markdown, rst = markdown_and_rst(rows)
     (args.out / "results.json").write_text(json.dumps(rows, indent=1) + "\n")
-    (args.out / "results.md").write_text(markdown)
-    (args.out / "results.rst").write_text(rst)
-    print(markdown)
+    print(write_table(rows, args.out))
     return rows
 
 

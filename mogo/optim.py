@@ -224,6 +224,15 @@ class HarmonizedOptimizer(torch.optim.Optimizer):
     def nonfinite(self, policy: NonFinitePolicy) -> None:
         self._guard.policy = policy
 
+    @property
+    def solves_next(self) -> bool:
+        """Whether the next ``backward`` computes one gradient per objective (and solves the
+        weighting on them, now or at the window's end), going through the losses' graph once per
+        objective; otherwise it is one backward of the weighted sum. A compiled graph whose
+        backward donates its buffers can be traversed once only: run the forward of such a step
+        eagerly (``torch.compiler.set_stance("force_eager")``)."""
+        return self._window.weights is None and self.amortizer.due
+
     # ---- one step: zero_grad, backward per micro-batch, step ---------------------------------
 
     @torch.optim.Optimizer.profile_hook_step  # torch's step hooks, and the step's profiler range
@@ -269,7 +278,7 @@ class HarmonizedOptimizer(torch.optim.Optimizer):
         active = None if self._guard.skipped else self._guard.losses(losses, shared, self._layout)
         if active is None:
             return self._sit_out(losses)
-        if self._window.weights is not None or not self.amortizer.due:  # weights known: one backward
+        if not self.solves_next:  # weights known: one backward
             return self._backward_weighted(losses, shared, active)
         grads = self._objective_grads(losses, shared, active)
         if shared is not None:  # its row goes into .grad as it is; the others are weighted

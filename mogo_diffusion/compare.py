@@ -123,7 +123,6 @@ __all__ = [
     "report",
     "run_all",
     "run_directory",
-    "write_tables",
 ]
 
 # ---- the arms -------------------------------------------------------------------------------------
@@ -892,19 +891,6 @@ def _costs_table(rows: Mapping[str, Mapping[str, Any]], reference: str) -> table
     return caption, [header, *body]
 
 
-def write_tables(
-    out: Path,
-    stem: str,
-    command: str | None,
-    notes: Sequence[str],
-    sections: Mapping[str | None, Sequence[tables.Table]],
-) -> None:
-    """Write ``out/<stem>.md`` and ``out/<stem>.rst`` (:func:`~mogo_diffusion.tables.documents`)."""
-    markdown, rst = tables.documents(command, notes, sections)
-    (out / f"{stem}.md").write_text(markdown)
-    (out / f"{stem}.rst").write_text(rst)
-
-
 def command_line(prog: str, argv: Sequence[str] | None) -> str:
     """The command line that made a result, for its tables."""
     return f"python -m {prog} " + " ".join(argv if argv is not None else sys.argv[1:])
@@ -1091,8 +1077,9 @@ def _write_results(
     reference, judged = results["reference"], results["judged"]
     note = judged_on(results["final_evaluation"])
     sections = {None: [tables.arms_table(results, reference), _costs_table(results["costs"], reference)]}
-    write_tables(out, "results", results["command"], [note], sections)
-    write_tables(out, "judged", results["command"], [note], {None: tables.judged_tables(judged, reference)})
+    tables.write_documents(out, "results", results["command"], [note], sections)
+    judged_tables = {None: tables.judged_tables(judged, reference)}
+    tables.write_documents(out, "judged", results["command"], [note], judged_tables)
     (out / "results.json").write_text(json.dumps(results, indent=1) + "\n")
     names, base = results["rewards"], gathered.base
     histories = {arm: [gathered.results[arm, s].metrics for s in gathered.seeds] for arm in curves}

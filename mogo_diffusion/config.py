@@ -44,8 +44,9 @@ from typing import Any, Literal, Union, get_args, get_origin, get_type_hints
 
 import yaml
 
+from mogo_diffusion.hub import HUB_ID
+
 __all__ = [
-    "HUB_ID",
     "LORA_TARGETS",
     "MAX_DEPTH",
     "REMOVED",
@@ -111,9 +112,6 @@ LORA_TARGETS: tuple[str, ...] = (
     "to_add_out",
 )
 """The attention projections that carry LoRA (image and text streams of every joint block)."""
-
-HUB_ID = re.compile(r"[A-Za-z0-9][\w.-]*/[\w.-]+")
-"""A model hub id, ``org/name`` (matched in full); the config and the loaders accept the same."""
 
 
 @dataclass
@@ -335,6 +333,9 @@ class TrainConfig:
             ``GradScaler``: gradients unscaled before clipping, overflowing steps skipped), ``"no"``,
             or ``"auto"``: bf16 on a CUDA device that supports it, else no. The LoRA weights, the
             optimizer's state, the losses, the advantages and the QP stay float32.
+        compile: compile the transformer (:mod:`mogo_diffusion.compilation`): ``"yes"``, ``"no"``,
+            or ``"auto"``: yes for a run of at least
+            :data:`~mogo_diffusion.compilation.AUTO_MIN_EPOCHS` epochs.
         reward_threads: rewards scored at once (see :class:`mogo_diffusion.rewards.MultiReward`).
         seed, out_dir: the random seed (in [0, 2**63)) and the run directory.
         log_every, eval_every, checkpoint_every: periods in epochs.
@@ -353,6 +354,7 @@ class TrainConfig:
     old_decay_max: float = _field(0.5, check=DECAY)
     eval_ema_decay: float = _field(0.9, check=DECAY)
     mixed_precision: Literal["auto", "no", "fp16", "bf16"] = "auto"
+    compile: Literal["auto", "no", "yes"] = "auto"
     reward_threads: int = _field(1, check=POSITIVE)
     seed: int = _field(42, check=NON_NEGATIVE)
     out_dir: str = _field("runs/marble", check=NON_EMPTY)

@@ -2,7 +2,8 @@
 
 Loading. :func:`load_pipeline` and :func:`load_component` take a hub id (``"org/name"``) or a local
 directory laid out by ``save_pretrained``. Weights are read from safetensors files only (pickled
-``.bin`` checkpoints are refused). ``local_files_only=None`` follows ``HF_HUB_OFFLINE``.
+``.bin`` checkpoints are refused). ``local_files_only=None`` follows ``HF_HUB_OFFLINE``; what is a hub
+id and what a path is decided by :func:`mogo_diffusion.hub.resolve`.
 
 Tiny models. :func:`tiny_sd3` builds a complete :class:`~diffusers.StableDiffusion3Pipeline` from
 configs with seeded random weights and tokenizers built in memory (:mod:`mogo_diffusion.tokenizers`):
@@ -46,7 +47,6 @@ from diffusers import (
     SD3Transformer2DModel,
     StableDiffusion3Pipeline,
 )
-from huggingface_hub import constants as hub_constants
 from packaging.version import Version
 from peft import LoraConfig
 from peft.tuners.lora import LoraLayer
@@ -61,7 +61,8 @@ from transformers import (
     T5Tokenizer,
 )
 
-from mogo_diffusion.config import HUB_ID, LORA_TARGETS
+from mogo_diffusion import hub
+from mogo_diffusion.config import LORA_TARGETS
 from mogo_diffusion.peft_adapters import selected
 from mogo_diffusion.tokenizers import DEFAULT_CORPUS, clip_tokenizer, t5_tokenizer
 
@@ -122,25 +123,6 @@ def _dtype_argument(cls: type, torch_dtype: torch.dtype | None) -> dict[str, tor
 # Loading ------------------------------------------------------------------------------------------
 
 
-def _resolve(model: str | os.PathLike[str], revision: str | None) -> tuple[str, bool]:
-    """``(source, is_local)``: an existing directory, or a hub id; anything else is a missing path."""
-    path = Path(model).expanduser()
-    if path.exists():
-        if not path.is_dir():
-            raise NotADirectoryError(f"model path {str(path)!r} is a file; expected a model directory")
-        if revision is not None:
-            raise ValueError(f"revision={revision!r} applies to hub ids; {str(path)!r} is a local directory")
-        return str(path), True
-    if isinstance(model, os.PathLike) or not HUB_ID.fullmatch(str(model)):
-        raise FileNotFoundError(f"model directory {str(path)!r} does not exist (nor is it a hub id org/name)")
-    return str(model), False
-
-
-def _hub_error(model: str, offline: bool, err: OSError) -> OSError:
-    where = "the local cache (offline: HF_HUB_OFFLINE or local_files_only)" if offline else "the hub"
-    return OSError(f"could not load {model!r} from {where}: {err}")
-
-
 def load_pipeline(
     model: str | os.PathLike[str],
     *,
@@ -163,15 +145,19 @@ def load_pipeline(
     Raises:
         FileNotFoundError: ``model`` is neither a hub id nor an existing directory, or the directory
             has no ``model_index.json``; the message names the path.
-        OSError: the hub id cannot be loaded (not cached, when offline).
+        NotADirectoryError: ``model`` is a file.
+        ValueError: a ``revision`` for a local directory.
+        OSError: the pipeline cannot be loaded (a hub id not cached, when offline); the message
+            names the source and, for a hub id, how to download it (:func:`mogo_diffusion.hub.loading`).
     """
-    source, is_local = _resolve(model, revision)
-    if is_local and not (Path(source) / "model_index.json").is_file():
-        raise FileNotFoundError(f"{str(Path(source) / 'model_index.json')!r} not found: not a saved pipeline")
-    offline = hub_constants.HF_HUB_OFFLINE if local_files_only is None else local_files_only
-    try:
+    source = hub.resolve(model, "model", directory=True, revision=revision)
+    index = Path(source.location) / "model_index.json"
+    if source.is_local and not index.is_file():
+        raise FileNotFoundError(f"{str(index)!r} not found: not a saved pipeline")
+    offline = hub.offline(local_files_only)
+    with hub.loading("the pipeline", source, offline):
         return StableDiffusion3Pipeline.from_pretrained(
-            source,
+            source.location,
             revision=revision,
             variant=variant,
             local_files_only=offline,
@@ -179,10 +165,6 @@ def load_pipeline(
             **_dtype_argument(StableDiffusion3Pipeline, torch_dtype),
             **components,
         )
-    except OSError as err:
-        if is_local:
-            raise
-        raise _hub_error(source, offline, err) from err
 
 
 def load_component(
@@ -206,23 +188,20 @@ def load_component(
     Raises:
         ValueError: unknown ``name``.
         FileNotFoundError: missing directory or subfolder; the message names the path.
+        OSError: as :func:`load_pipeline`.
     """
     if name not in _COMPONENTS:
         raise ValueError(f"unknown SD3 component {name!r}; expected one of {sorted(_COMPONENTS)}")
-    source, is_local = _resolve(model, revision)
-    if is_local and not (Path(source) / name).is_dir():
-        raise FileNotFoundError(f"component directory {str(Path(source) / name)!r} does not exist")
-    offline = hub_constants.HF_HUB_OFFLINE if local_files_only is None else local_files_only
+    source = hub.resolve(model, "model", directory=True, revision=revision)
+    if source.is_local and not (Path(source.location) / name).is_dir():
+        raise FileNotFoundError(f"component directory {str(Path(source.location) / name)!r} does not exist")
+    offline = hub.offline(local_files_only)
     cls = _COMPONENTS[name]
     kwargs: dict[str, Any] = {"subfolder": name, "revision": revision, "local_files_only": offline}
     if issubclass(cls, nn.Module):
         kwargs.update(variant=variant, use_safetensors=True, **_dtype_argument(cls, torch_dtype))
-    try:
-        return cls.from_pretrained(source, **kwargs)
-    except OSError as err:
-        if is_local:
-            raise
-        raise _hub_error(source, offline, err) from err
+    with hub.loading(f"the {name}", source, offline):
+        return cls.from_pretrained(source.location, **kwargs)
 
 
 # Tiny pipelines -----------------------------------------------------------------------------------

@@ -58,7 +58,8 @@ from typing import Any
 
 import torch
 
-from mogo_diffusion.config import HUB_ID, Config, ConfigError, MarbleConfig
+from mogo_diffusion.config import Config, ConfigError, MarbleConfig
+from mogo_diffusion.hub import HUB_ID
 
 __all__ = [
     "ACTIVATION_VALUES",

@@ -105,6 +105,12 @@ class Strategy:
         self.distributed = mogo.DataParallel() if self.world > 1 else None
         return self.optimizer
 
+    def traverses_twice(self) -> bool:
+        """Whether the next :meth:`backward` goes through the losses' graph more than once (one
+        gradient per objective): a compiled forward cannot serve it
+        (:mod:`mogo_diffusion.compilation`)."""
+        return False
+
     def backward(self, losses: Tensor, shared: Tensor | None) -> None:
         """Accumulate the gradient of ``sum(losses) + shared`` into ``.grad``."""
         total = losses.sum()
@@ -176,6 +182,9 @@ class Marble(Strategy):
             distributed=mogo.DataParallel() if self.world > 1 else None,
         )
         return self.optimizer
+
+    def traverses_twice(self) -> bool:
+        return self.optimizer.solves_next
 
     def backward(self, losses: Tensor, shared: Tensor | None) -> None:
         self.optimizer.backward(losses, shared=shared)

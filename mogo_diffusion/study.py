@@ -312,9 +312,10 @@ def _write(out: Path, results: Mapping[str, Any], gathered: compare.Gathered) ->
 
     sets = results["sets"]
     note = compare.judged_on(results["final_evaluation"])
-    compare.write_tables(out, "results", results["command"], [note], {n: _tables(s) for n, s in sets.items()})
+    results_tables = {name: _tables(summary) for name, summary in sets.items()}
+    tables.write_documents(out, "results", results["command"], [note], results_tables)
     judged = {name: tables.judged_tables(summary["judged"], REFERENCE) for name, summary in sets.items()}
-    compare.write_tables(out, "judged", results["command"], [note], judged)
+    tables.write_documents(out, "judged", results["command"], [note], judged)
     (out / "results.json").write_text(json.dumps(results, indent=1) + "\n")
     composite = {
         name: {arm: row["vs_reference"]["composite"] for arm, row in s["arms"].items()}

@@ -1,7 +1,8 @@
 """The tables of every comparison driver (``compare``, ``study``, the benchmarks), as text.
 
 A table is a list of rows of cells, the header first; :func:`markdown_table` and
-:func:`rst_table` write one, :func:`documents` a whole results file in both forms. The cells of
+:func:`rst_table` write one, :func:`documents` a whole results file in both forms and
+:func:`write_documents` the two files ``<stem>.md`` and ``<stem>.rst``. The cells of
 a comparison's numbers are written by :func:`signed` (a paired difference with its interval) and
 :func:`with_difference` (a mean, then its difference); the tables every comparison has are
 :func:`arms_table` (:func:`~mogo_diffusion.analysis.summarize`) and :func:`judged_tables`
@@ -18,6 +19,7 @@ from __future__ import annotations
 import math
 import statistics
 from collections.abc import Mapping, Sequence
+from pathlib import Path
 from typing import Any
 
 __all__ = [
@@ -29,6 +31,7 @@ __all__ = [
     "rst_table",
     "signed",
     "with_difference",
+    "write_documents",
 ]
 
 Table = tuple[str, list[list[str]]]
@@ -72,6 +75,21 @@ def documents(
             lines += [*([caption, ""] if caption else []), markdown_table(rows), ""]
             blocks.append(rst_table(rows, caption))
     return "\n".join(lines), "\n\n".join(blocks) + "\n"
+
+
+def write_documents(
+    out: Path,
+    stem: str,
+    command: str | None,
+    notes: Sequence[str],
+    sections: Mapping[str | None, Sequence[Table]],
+) -> str:
+    """Write :func:`documents`' two forms to ``out/<stem>.md`` and ``out/<stem>.rst``; returns the
+    markdown."""
+    markdown, rst = documents(command, notes, sections)
+    (out / f"{stem}.md").write_text(markdown)
+    (out / f"{stem}.rst").write_text(rst)
+    return markdown
 
 
 def signed(interval: Sequence[float], digits: int = 3) -> str:

@@ -64,6 +64,7 @@ from mogo_diffusion.checkpoint import (
     save_checkpoint,
 )
 from mogo_diffusion.checks import check_config, check_model, check_split
+from mogo_diffusion.compilation import compile_transformer, should_compile
 from mogo_diffusion.config import Config, ConfigError, add_config_arguments, config_from_args
 from mogo_diffusion.nft import kl_loss, nft_terms
 from mogo_diffusion.progress import EpochProgress, run_summary
@@ -294,6 +295,8 @@ class Trainer:
                 "pipeline.transformer has no LoRA adapters: add them with mogo_diffusion.models.add_lora, "
                 "or build the trainer with Trainer.from_config"
             )
+        if should_compile(config.train.compile, config.train.epochs):
+            compile_transformer(self.transformer)
         self.params = models.lora_parameters(self.transformer)
         for p in self.params:  # trained in float32 whatever the frozen weights' dtype
             p.data = p.data.float()
@@ -506,8 +509,10 @@ class Trainer:
     ) -> tuple[torch.Tensor, torch.Tensor | None]:
         """The ``[J]`` NFT losses and the KL term (None when ``nft.kl_coef`` is 0) of the local
         rows ``index`` at the trained timestep ``t = sigma_j`` with noise ``eps``; the trained
-        forward has its adapter fused into the weights (:func:`~mogo_diffusion.models.fused`);
-        all three run under the run's autocast (:meth:`autocast`)."""
+        forward has its adapter fused into the weights (:func:`~mogo_diffusion.models.fused`),
+        and runs eagerly when the strategy's backward goes through it once per objective (a
+        compiled graph is traversed once); all three run under the run's autocast
+        (:meth:`autocast`)."""
         nft = self.config.nft
         x0 = batch.latents[index]
         t = float(batch.sigmas[j])
@@ -527,7 +532,8 @@ class Trainer:
             if nft.kl_coef > 0:
                 with models.reference(self.transformer):
                     v_ref = self.transformer(**inputs)[0]
-        with self.autocast(), models.fused(self.transformer, models.TRAINED):
+        eager = torch.compiler.set_stance("force_eager") if self.strategy.traverses_twice() else nullcontext()
+        with self.autocast(), models.fused(self.transformer, models.TRAINED), eager:
             v = self.transformer(**inputs)[0]
         kl = kl_loss(v, v_ref, kl_coef=nft.kl_coef) if v_ref is not None else None
         return self.strategy.losses(nft_terms(v, v_old, x_t, x0, t, beta=nft.beta), advantages), kl

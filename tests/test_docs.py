@@ -31,6 +31,7 @@ def test_public_name_is_in_the_api_reference(name):
 
 
 DIFFUSION_MODULES = (
+    "hub",
     "models",
     "tokenizers",
     "sampling",

@@ -185,6 +185,7 @@ def test_specialist_budget_changes_only_its_variants_fields_and_judges_by_the_st
     assert count["bar"] == pytest.approx(0.06)  # the floor: 3 x 0.02
     assert count["clears"]
     assert count["ratio"] == pytest.approx(0.17 / (0.02 / 2**0.5))
-    markdown, rst = benchmark.markdown_and_rst(rows)
+    markdown = benchmark.write_table(rows, tmp_path)
+    assert (tmp_path / "results.md").read_text() == markdown
     assert "| batch_128 | shapes_count | 7680 |" in markdown
-    assert "   * - batch_128\n     - shapes_count\n     - 7680\n" in rst
+    assert "   * - batch_128\n     - shapes_count\n     - 7680\n" in (tmp_path / "results.rst").read_text()

@@ -9,7 +9,14 @@ and the shapes world's ``shapes_color``, ``shapes_shape``, ``shapes_position``, 
 """
 
 from mogo_diffusion.rewards import clip, geneval, hps, imagereward, ocr, shapes  # noqa: F401  (they register)
-from mogo_diffusion.rewards.base import Reward, check_batch, check_scores, to_uint8
+from mogo_diffusion.rewards.base import (
+    Reward,
+    check_batch,
+    check_batch_size,
+    check_scores,
+    floating_dtype,
+    to_uint8,
+)
 from mogo_diffusion.rewards.multi import MultiReward, RewardScores
 from mogo_diffusion.rewards.registry import available_rewards, make_reward, register_reward, reward_factory
 from mogo_diffusion.rewards.rules import PALETTE, ColorMatch, JpegCompressibility, Sharpness
@@ -24,7 +31,9 @@ __all__ = [
     "Sharpness",
     "available_rewards",
     "check_batch",
+    "check_batch_size",
     "check_scores",
+    "floating_dtype",
     "make_reward",
     "register_reward",
     "reward_factory",

@@ -13,18 +13,15 @@ Flow-GRPO do, from the unit embeddings ``u = f_img(x) / ||f_img(x)||`` and ``w =
 HPSv2.1 (``"hpsv21"``) is in :mod:`mogo_diffusion.rewards.hps`. Images are preprocessed in torch
 on their own device (:class:`ImageTransform`), in float32, with no 8-bit round trip: the reference
 pipelines of PickScore and the aesthetic predictor go through PIL, which differs by about 1/255 per
-pixel. Models load from a hub id or a local directory (``HF_HUB_OFFLINE=1`` reads the local cache
-only); no remote code is run. Scores are float32 ``[B]`` on the model's device, computed under
-``no_grad``.
+pixel. Models load from a hub id or a local directory (:mod:`mogo_diffusion.hub`;
+``HF_HUB_OFFLINE=1`` reads the local cache only); no remote code is run. Scores are float32 ``[B]``
+on the model's device, computed under ``no_grad``.
 """
 
 from __future__ import annotations
 
 import os
-import pickle
-import re
-from collections.abc import Iterator, Mapping, Sequence
-from contextlib import contextmanager
+from collections.abc import Mapping, Sequence
 from dataclasses import dataclass
 from pathlib import Path
 from typing import Any, Literal
@@ -32,7 +29,8 @@ from typing import Any, Literal
 import torch
 from torch import Tensor, nn
 
-from mogo_diffusion.rewards.base import check_batch
+from mogo_diffusion import hub
+from mogo_diffusion.rewards.base import check_batch, check_batch_size, floating_dtype
 from mogo_diffusion.rewards.registry import register_reward
 
 __all__ = [
@@ -47,6 +45,8 @@ __all__ = [
     "EncoderReward",
     "ImageTransform",
     "PickScore",
+    "load_processor",
+    "tokenize",
 ]
 
 PICKSCORE_MODEL = "yuvalkirstain/PickScore_v1"
@@ -60,100 +60,8 @@ AESTHETIC_FILE = "sac+logos+ava1-l14-linearMSE.pth"
 """The aesthetic predictor's weights, in github.com/christophschuhmann/improved-aesthetic-predictor."""
 
 _PICKSCORE_SCALE = 26.0
-_PROCESSOR_FILES = '"*.json" "*.txt"'  # a CLIP repository without its weights
 _CLIP_MEAN = (0.48145466, 0.4578275, 0.40821073)  # transformers' defaults for CLIP processors
 _CLIP_STD = (0.26862954, 0.26130258, 0.27577711)
-_HUB_ID = re.compile(r"[A-Za-z0-9][\w.-]*/[\w.-]+")
-
-
-# Loading (shared with mogo_diffusion.rewards.hps) ------------------------------------------------
-
-
-def _transformers() -> Any:
-    try:
-        import transformers
-    except ImportError as err:
-        raise ImportError(f"CLIP rewards need transformers: pip install 'mogo[diffusion]' ({err})") from err
-    return transformers
-
-
-def _download_hint(repo: str, include: str = "") -> str:
-    only = f" --include {include}" if include else ""
-    return f"download it with `hf download {repo}{only} --local-dir DIR` and pass DIR"
-
-
-def _resolve(model: str | os.PathLike[str], what: str, hint: str) -> tuple[str, bool]:
-    """``(source, is_local)``: an existing path, or a hub id ``org/name``; else a
-    ``FileNotFoundError`` naming ``what``, the path and the ``hint`` for getting it."""
-    path = Path(model).expanduser()
-    if path.exists():
-        return str(path), True
-    if isinstance(model, os.PathLike) or not _HUB_ID.fullmatch(str(model)):
-        raise FileNotFoundError(
-            f"{what} {str(path)!r} does not exist (nor is it a hub id 'org/name'); {hint}"
-        )
-    return str(model), False
-
-
-def _offline(local_files_only: bool | None) -> bool:
-    if local_files_only is not None:
-        return local_files_only
-    from huggingface_hub import constants
-
-    return bool(constants.HF_HUB_OFFLINE)
-
-
-@contextmanager
-def _loading(what: str, source: str, is_local: bool, only_local: bool, include: str = "") -> Iterator[None]:
-    """Re-raise an ``OSError`` as one naming ``what``, ``source`` and, for a hub id, how to get it."""
-    try:
-        yield
-    except OSError as err:
-        if is_local:
-            raise OSError(f"could not load {what} from {source!r}: {err}") from err
-        where = (
-            "the local hub cache (offline: HF_HUB_OFFLINE or local_files_only)" if only_local else "the hub"
-        )
-        hint = _download_hint(source, include)
-        raise OSError(f"could not load {what} {source!r} from {where}; {hint}. ({err})") from err
-
-
-def _torch_dtype(dtype: torch.dtype | str | None) -> torch.dtype:
-    """A floating dtype from a dtype, its name (``"bfloat16"``, as YAML gives it) or None (float32)."""
-    if dtype is None:
-        return torch.float32
-    value = getattr(torch, dtype, None) if isinstance(dtype, str) else dtype
-    if not isinstance(value, torch.dtype) or not value.is_floating_point:
-        raise ValueError(f"dtype must be a floating torch dtype or its name, got {dtype!r}")
-    return value
-
-
-def _batch_size(batch_size: int) -> int:
-    if isinstance(batch_size, bool) or not isinstance(batch_size, int) or batch_size < 1:
-        raise ValueError(f"batch_size must be a positive integer, got {batch_size!r}")
-    return batch_size
-
-
-def _load_state_dict(path: Path) -> dict[str, Tensor]:
-    """A state dict from a safetensors file, or from a pickle read with ``weights_only=True``."""
-    from safetensors import SafetensorError
-    from safetensors.torch import load_file
-
-    try:
-        if path.suffix == ".safetensors":
-            return load_file(path)
-        state = torch.load(path, map_location="cpu", weights_only=True)
-    except (OSError, RuntimeError, EOFError, pickle.UnpicklingError, SafetensorError) as err:
-        raise ValueError(f"could not read the state dict {str(path)!r}: {err}") from err
-    if not isinstance(state, dict):
-        raise ValueError(f"{str(path)!r} holds a {type(state).__name__}, not a state dict")
-    return state
-
-
-def _check_batch(
-    images: Tensor, prompts: Sequence[str], metadata: Sequence[Mapping[str, Any]] | None
-) -> None:
-    check_batch(images, prompts, [{}] * len(prompts) if metadata is None else metadata)
 
 
 # Preprocessing -----------------------------------------------------------------------------------
@@ -255,7 +163,7 @@ class ClipEncoder:
         self.model = model.eval().requires_grad_(False)
         self.tokenizer = tokenizer
         self.transform = transform
-        self.batch_size = _batch_size(batch_size)
+        self.batch_size = check_batch_size(batch_size)
         context = model.config.text_config.max_position_embeddings
         self.max_length = min(context, tokenizer.model_max_length or context)
 
@@ -279,19 +187,19 @@ class ClipEncoder:
         :meth:`ImageTransform.from_processor`; ``local_files_only=None`` follows ``HF_HUB_OFFLINE``.
 
         Raises:
-            ImportError: transformers is not installed.
             FileNotFoundError: a path that does not exist (and is not a hub id).
             OSError: a model that cannot be loaded; for a hub id missing from the cache, the message
                 names it and says how to download it.
         """
-        transformers = _transformers()
-        dtype, batch_size = _torch_dtype(dtype), _batch_size(batch_size)
-        only_local = _offline(local_files_only)
+        from transformers import CLIPModel
+
+        dtype, batch_size = floating_dtype(dtype), check_batch_size(batch_size)
+        only_local = hub.offline(local_files_only)
         processor = model if processor is None else processor
-        source, is_local = _resolve(model, what, _download_hint(str(model)))
-        with _loading(what, source, is_local, only_local):
-            clip = transformers.CLIPModel.from_pretrained(source, local_files_only=only_local)
-        config, tokenizer = _load_processor(processor, f"{what}'s processor", only_local)
+        source = hub.resolve(model, what)
+        with hub.loading(what, source, only_local):
+            clip = CLIPModel.from_pretrained(source.location, local_files_only=only_local)
+        config, tokenizer = load_processor(processor, f"{what}'s processor", only_local)
         clip.to(device=device, dtype=dtype)
         return cls(clip, tokenizer, ImageTransform.from_processor(config, **transform), batch_size=batch_size)
 
@@ -325,13 +233,7 @@ class ClipEncoder:
         """B prompts to unit text embeddings ``w``, ``[B, D]`` float32."""
         out = [torch.empty(0, self.model.config.projection_dim, device=self.device)]  # for B = 0
         for chunk in self._chunks(len(prompts)):
-            tokens = self.tokenizer(
-                list(prompts[chunk]),
-                padding=True,
-                truncation=True,
-                max_length=self.max_length,
-                return_tensors="pt",
-            ).to(self.device)
+            tokens = tokenize(self.tokenizer, prompts[chunk], self.max_length, self.device)
             output = self.model.text_model(
                 input_ids=tokens["input_ids"], attention_mask=tokens["attention_mask"]
             )
@@ -344,17 +246,30 @@ class ClipEncoder:
         return (self.image_embeds(images) * self.text_embeds(prompts)).sum(dim=-1)
 
 
-def _load_processor(
+def tokenize(tokenizer: Any, prompts: Sequence[str], max_length: int, device: torch.device) -> Any:
+    """The ``input_ids`` and ``attention_mask`` (``[B, L]``, on ``device``) of ``tokenizer`` for B
+    ``prompts``, padded to the longest and truncated to ``max_length`` tokens."""
+    options = {"padding": True, "truncation": True, "max_length": max_length, "return_tensors": "pt"}
+    return tokenizer(list(prompts), **options).to(device)
+
+
+def load_processor(
     processor: str | os.PathLike[str], what: str, only_local: bool
 ) -> tuple[dict[str, Any], Any]:
-    """The image processor config and the tokenizer of a CLIP hub id or directory."""
-    transformers = _transformers()
-    source, is_local = _resolve(processor, what, _download_hint(str(processor), _PROCESSOR_FILES))
-    with _loading(what, source, is_local, only_local, _PROCESSOR_FILES):
-        config, _ = transformers.ImageProcessingMixin.get_image_processor_dict(
-            source, local_files_only=only_local
+    """The image processor config (``preprocessor_config.json`` as a dict) and the tokenizer of a
+    CLIP hub id or directory; ``what`` names it in errors, ``only_local`` reads the hub cache alone.
+
+    Raises:
+        FileNotFoundError, OSError: as :meth:`ClipEncoder.from_pretrained`.
+    """
+    from transformers import AutoTokenizer, ImageProcessingMixin
+
+    source = hub.resolve(processor, what)
+    with hub.loading(what, source, only_local, include=hub.CONFIG_FILES):
+        config, _ = ImageProcessingMixin.get_image_processor_dict(
+            source.location, local_files_only=only_local
         )
-        tokenizer = transformers.AutoTokenizer.from_pretrained(source, local_files_only=only_local)
+        tokenizer = AutoTokenizer.from_pretrained(source.location, local_files_only=only_local)
     return config, tokenizer
 
 
@@ -362,10 +277,23 @@ def _load_processor(
 
 
 class EncoderReward:
-    """The part every CLIP-scored reward shares: it scores through ``self.encoder``, a
-    :class:`ClipEncoder`, which :meth:`to` moves."""
+    """The part every CLIP-scored reward shares: a call checks the batch (the metadata is not read)
+    and returns :meth:`score`, computed through ``self.encoder``, a :class:`ClipEncoder`, which
+    :meth:`to` moves."""
 
     encoder: ClipEncoder
+
+    def __call__(
+        self, images: Tensor, prompts: Sequence[str], metadata: Sequence[Mapping[str, Any]] | None = None
+    ) -> Tensor:
+        check_batch(images, prompts, metadata)
+        return self.score(images, prompts)
+
+    @torch.no_grad()
+    def score(self, images: Tensor, prompts: Sequence[str]) -> Tensor:
+        """``[B]`` float32 scores of ``[B, 3, H, W]`` images in ``[0, 1]`` and their B prompts: the
+        cosine ``<u_i, w_i>`` (:meth:`ClipEncoder.cosine`), unless a reward says otherwise."""
+        return self.encoder.cosine(images, prompts)
 
     def to(self, device: torch.device | str) -> EncoderReward:
         """Move the model; returns ``self``."""
@@ -413,10 +341,9 @@ class PickScore(EncoderReward):
             local_files_only=local_files_only,
         )
 
-    def __call__(
-        self, images: Tensor, prompts: Sequence[str], metadata: Sequence[Mapping[str, Any]] | None = None
-    ) -> Tensor:
-        _check_batch(images, prompts, metadata)
+    @torch.no_grad()
+    def score(self, images: Tensor, prompts: Sequence[str]) -> Tensor:
+        """``exp(logit_scale) * <u_i, w_i> / 26``, ``[B]`` float32."""
         temperature = self.encoder.model.logit_scale.float().exp()
         return temperature * self.encoder.cosine(images, prompts) / _PICKSCORE_SCALE
 
@@ -457,12 +384,6 @@ class ClipScore(EncoderReward):
             interpolation="bilinear",
         )
 
-    def __call__(
-        self, images: Tensor, prompts: Sequence[str], metadata: Sequence[Mapping[str, Any]] | None = None
-    ) -> Tensor:
-        _check_batch(images, prompts, metadata)
-        return self.encoder.cosine(images, prompts)
-
 
 class AestheticPredictor(nn.Module):
     """The LAION aesthetic predictor's MLP: unit CLIP image embeddings ``[B, dim]`` to scores ``[B]``.
@@ -497,13 +418,13 @@ class AestheticPredictor(nn.Module):
             FileNotFoundError: no such file (the message says where to get it).
             ValueError: the file is not such a state dict (the message names the file and the mismatch).
         """
-        path = Path(path).expanduser()
+        path = Path(os.path.expanduser(path))
         if not path.is_file():
             raise FileNotFoundError(
                 f"aesthetic predictor weights {str(path)!r} not found; download {AESTHETIC_FILE} from "
                 "https://github.com/christophschuhmann/improved-aesthetic-predictor"
             )
-        state = _load_state_dict(path)
+        state = hub.read_state_dict(path)
         weight = state.get("layers.0.weight")
         if not isinstance(weight, Tensor) or weight.ndim != 2:
             raise ValueError(
@@ -572,8 +493,6 @@ class Aesthetic(EncoderReward):
         return self
 
     @torch.no_grad()
-    def __call__(
-        self, images: Tensor, prompts: Sequence[str], metadata: Sequence[Mapping[str, Any]] | None = None
-    ) -> Tensor:
-        _check_batch(images, prompts, metadata)
+    def score(self, images: Tensor, prompts: Sequence[str]) -> Tensor:
+        """``MLP(u_i)``, ``[B]`` float32; the prompts are not read."""
         return self.predictor(self.encoder.image_embeds(images))

@@ -46,10 +46,8 @@ from __future__ import annotations
 
 import math
 import os
-import re
 from collections.abc import Mapping, Sequence
 from dataclasses import dataclass
-from pathlib import Path
 from typing import Any, Literal, NamedTuple, Protocol
 
 import numpy as np
@@ -57,6 +55,7 @@ import torch
 from PIL import Image
 from torch import Tensor
 
+from mogo_diffusion import hub
 from mogo_diffusion.rewards.base import check_batch, to_uint8
 from mogo_diffusion.rewards.registry import register_reward
 
@@ -483,8 +482,6 @@ class HsvColorClassifier:
 
 # The detector --------------------------------------------------------------------------------------
 
-_HUB_ID = re.compile(r"[A-Za-z0-9][\w.-]*/[\w.-]+")
-
 
 class TransformersDetector:
     """A transformers object-detection model (DETR, Conditional DETR, YOLOS, RT-DETR, ...) as a
@@ -540,34 +537,14 @@ class TransformersDetector:
             ValueError: a ``revision`` for a local directory.
             OSError: the model cannot be loaded (from the hub, or its cache when offline).
         """
-        from huggingface_hub import constants
         from transformers import AutoImageProcessor, AutoModelForObjectDetection
 
-        path = Path(model).expanduser()
-        if path.exists():
-            if not path.is_dir():
-                raise NotADirectoryError(f"detector path {str(path)!r} is a file; expected a model directory")
-            if revision is not None:
-                raise ValueError(
-                    f"revision={revision!r} applies to hub ids; {str(path)!r} is a local directory"
-                )
-            source, is_local = str(path), True
-        elif isinstance(model, os.PathLike) or not _HUB_ID.fullmatch(str(model)):
-            raise FileNotFoundError(
-                f"detector directory {str(path)!r} does not exist (nor is it a hub id org/name)"
-            )
-        else:
-            source, is_local = str(model), False
-        offline = constants.HF_HUB_OFFLINE if local_files_only is None else local_files_only
+        source = hub.resolve(model, "detector", directory=True, revision=revision)
+        offline = hub.offline(local_files_only)
         kwargs = {"revision": revision, "local_files_only": offline}
-        try:
-            loaded = AutoModelForObjectDetection.from_pretrained(source, **kwargs)
-            processor = AutoImageProcessor.from_pretrained(source, **kwargs)
-        except OSError as err:
-            if is_local:
-                raise
-            where = "the local cache (offline: HF_HUB_OFFLINE or local_files_only)" if offline else "the hub"
-            raise OSError(f"could not load detector {source!r} from {where}: {err}") from err
+        with hub.loading("detector", source, offline):
+            loaded = AutoModelForObjectDetection.from_pretrained(source.location, **kwargs)
+            processor = AutoImageProcessor.from_pretrained(source.location, **kwargs)
         detector = cls(loaded, processor, threshold=threshold, label_map=label_map)
         return detector.to(device) if device is not None else detector
 

@@ -41,30 +41,14 @@ from __future__ import annotations
 
 import os
 import re
-from collections.abc import Mapping, Sequence
-from pathlib import Path
-from typing import Any
+from collections.abc import Mapping
 
 import torch
 from torch import Tensor
 
-from mogo_diffusion.rewards.clip import (
-    _PROCESSOR_FILES,
-    CLIP_H14,
-    ClipEncoder,
-    EncoderReward,
-    ImageTransform,
-    _batch_size,
-    _check_batch,
-    _download_hint,
-    _load_processor,
-    _load_state_dict,
-    _loading,
-    _offline,
-    _resolve,
-    _torch_dtype,
-    _transformers,
-)
+from mogo_diffusion import hub
+from mogo_diffusion.rewards.base import check_batch_size, floating_dtype
+from mogo_diffusion.rewards.clip import CLIP_H14, ClipEncoder, EncoderReward, ImageTransform, load_processor
 from mogo_diffusion.rewards.registry import register_reward
 
 __all__ = ["HPS_FILE", "HPS_REPO", "HPSv21", "convert_open_clip"]
@@ -132,26 +116,6 @@ def convert_open_clip(state_dict: Mapping[str, Tensor]) -> dict[str, Tensor]:
     return out
 
 
-def _checkpoint(model: str | os.PathLike[str], only_local: bool) -> Path:
-    """The checkpoint: the file ``model``, or :data:`HPS_FILE` in directory or hub repository ``model``."""
-    hint = _download_hint(HPS_REPO, HPS_FILE)
-    source, is_local = _resolve(model, "HPS checkpoint", hint)
-    if is_local:
-        path = Path(source)
-        path = path / HPS_FILE if path.is_dir() else path
-        if not path.is_file():
-            raise FileNotFoundError(f"HPS checkpoint {str(path)!r} not found; {hint}")
-        return path
-    from huggingface_hub import hf_hub_download
-    from huggingface_hub.errors import EntryNotFoundError
-
-    with _loading(f"HPS checkpoint {HPS_FILE} of", source, False, only_local, HPS_FILE):
-        try:
-            return Path(hf_hub_download(source, HPS_FILE, local_files_only=only_local))
-        except EntryNotFoundError as err:  # not an OSError in huggingface_hub >= 1
-            raise OSError(str(err)) from err
-
-
 @register_reward("hpsv21")
 class HPSv21(EncoderReward):
     """HPSv2.1: the cosine ``<u, w>`` of each image and its prompt under the HPS model, ``[B]`` float32.
@@ -187,39 +151,31 @@ class HPSv21(EncoderReward):
         batch_size: int = 32,
         local_files_only: bool | None = None,
     ) -> None:
-        transformers = _transformers()
-        dtype, batch_size = _torch_dtype(dtype), _batch_size(batch_size)
-        only_local = _offline(local_files_only)
-        path = _checkpoint(model, only_local)
-        state = _load_state_dict(path)
+        from accelerate import init_empty_weights
+        from transformers import CLIPConfig, CLIPModel
+
+        dtype, batch_size = floating_dtype(dtype), check_batch_size(batch_size)
+        only_local = hub.offline(local_files_only)
+        path = hub.checkpoint_file(model, HPS_FILE, "HPS checkpoint", repo=HPS_REPO, only_local=only_local)
+        state = hub.read_state_dict(path)
         if isinstance(state.get("state_dict"), Mapping):
             state = state["state_dict"]
         try:
             state = convert_open_clip(state)
         except ValueError as err:
             raise ValueError(f"{str(path)!r}: {err}") from None
-        source, is_local = _resolve(base, "HPS base model", _download_hint(str(base), _PROCESSOR_FILES))
-        with _loading("HPS base model config", source, is_local, only_local, _PROCESSOR_FILES):
-            config = transformers.CLIPConfig.from_pretrained(source, local_files_only=only_local)
-        image_config, tokenizer = _load_processor(base, "HPS base model's processor", only_local)
-        try:
-            from accelerate import init_empty_weights
-        except ImportError as err:
-            raise ImportError(f"HPSv2.1 needs accelerate: pip install 'mogo[diffusion]' ({err})") from err
+        source = hub.resolve(base, "HPS base model")
+        with hub.loading("HPS base model config", source, only_local, include=hub.CONFIG_FILES):
+            config = CLIPConfig.from_pretrained(source.location, local_files_only=only_local)
+        image_config, tokenizer = load_processor(base, "HPS base model's processor", only_local)
         with init_empty_weights():  # parameters on the meta device: no random init of 1B weights
-            clip = transformers.CLIPModel(config)
+            clip = CLIPModel(config)
         try:
             clip.load_state_dict(state, assign=True)
         except RuntimeError as err:
             raise ValueError(
-                f"{str(path)!r} does not match the CLIP architecture of {source!r}: {err}"
+                f"{str(path)!r} does not match the CLIP architecture of {source.location!r}: {err}"
             ) from None
         clip.to(device=device, dtype=dtype)
         transform = ImageTransform.from_processor(image_config, fit="pad")
         self.encoder = ClipEncoder(clip, tokenizer, transform, batch_size=batch_size)
-
-    def __call__(
-        self, images: Tensor, prompts: Sequence[str], metadata: Sequence[Mapping[str, Any]] | None = None
-    ) -> Tensor:
-        _check_batch(images, prompts, metadata)
-        return self.encoder.cosine(images, prompts)

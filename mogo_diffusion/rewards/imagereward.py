@@ -61,19 +61,9 @@ from typing import Any
 import torch
 from torch import Tensor, nn
 
-from mogo_diffusion.rewards.clip import (
-    AestheticPredictor,
-    ImageTransform,
-    _batch_size,
-    _check_batch,
-    _download_hint,
-    _load_state_dict,
-    _loading,
-    _offline,
-    _resolve,
-    _torch_dtype,
-    _transformers,
-)
+from mogo_diffusion import hub
+from mogo_diffusion.rewards.base import check_batch, check_batch_size, floating_dtype
+from mogo_diffusion.rewards.clip import AestheticPredictor, ImageTransform, tokenize
 from mogo_diffusion.rewards.registry import register_reward
 
 __all__ = [
@@ -161,12 +151,13 @@ def _layers(state: Mapping[str, Tensor], prefix: str) -> int:
 def _configs(state: Mapping[str, Tensor], vision_heads: int, text_heads: int) -> tuple[Any, Any]:
     """The BLIP vision and text configs of a converted state dict (the sizes read from its shapes,
     the head counts given)."""
-    transformers = _transformers()
+    from transformers import BlipTextConfig, BlipVisionConfig
+
     try:
         patch = state["vision_model.embeddings.patch_embedding.weight"]
         positions = state["vision_model.embeddings.position_embedding"].shape[1]
         words = state["text_encoder.embeddings.word_embeddings.weight"]
-        vision = transformers.BlipVisionConfig(
+        vision = BlipVisionConfig(
             hidden_size=patch.shape[0],
             intermediate_size=state["vision_model.encoder.layers.0.mlp.fc1.weight"].shape[0],
             num_hidden_layers=_layers(state, "vision_model.encoder.layers."),
@@ -175,7 +166,7 @@ def _configs(state: Mapping[str, Tensor], vision_heads: int, text_heads: int) ->
             image_size=patch.shape[-1] * math.isqrt(positions - 1),
             layer_norm_eps=_VISION_EPS,
         )
-        text = transformers.BlipTextConfig(
+        text = BlipTextConfig(
             vocab_size=words.shape[0],
             hidden_size=words.shape[1],
             encoder_hidden_size=state["text_encoder.encoder.layer.0.crossattention.self.key.weight"].shape[1],
@@ -213,15 +204,16 @@ class ImageRewardModel(nn.Module):
         mean: float = IMAGEREWARD_MEAN,
         std: float = IMAGEREWARD_STD,
     ) -> None:
+        from transformers import BlipTextModel, BlipVisionModel
+
         super().__init__()
-        transformers = _transformers()
         if text_config.encoder_hidden_size != vision_config.hidden_size:
             raise ValueError(
                 f"the text encoder cross-attends to {text_config.encoder_hidden_size}-d image tokens; "
                 f"the ViT gives {vision_config.hidden_size}-d ones"
             )
-        self.vision_model = transformers.BlipVisionModel(vision_config)
-        self.text_encoder = transformers.BlipTextModel(text_config, add_pooling_layer=False)
+        self.vision_model = BlipVisionModel(vision_config)
+        self.text_encoder = BlipTextModel(text_config, add_pooling_layer=False)
         self.head = AestheticPredictor(text_config.hidden_size)
         self.mean, self.std = float(mean), float(std)
 
@@ -275,21 +267,22 @@ class ImageRewardModel(nn.Module):
             ValueError: ``config.json`` is not of this format, or the weights do not fit it (the
                 message names the file).
         """
-        transformers = _transformers()
+        from transformers import BlipTextConfig, BlipVisionConfig
+
         directory = Path(directory)
         where = directory / "config.json"
         try:
             config = json.loads(where.read_text())
             if config.get("format") != _FORMAT:
                 raise ValueError(f"format {config.get('format')!r}, expected {_FORMAT!r}")
-            vision = transformers.BlipVisionConfig.from_dict(config["vision_config"])
-            text = transformers.BlipTextConfig.from_dict(config["text_config"])
+            vision = BlipVisionConfig.from_dict(config["vision_config"])
+            text = BlipTextConfig.from_dict(config["text_config"])
             model = cls(vision, text, mean=config["mean"], std=config["std"])
         except (OSError, ValueError, KeyError, TypeError, AttributeError) as err:
             raise ValueError(f"{str(where)!r} is not an ImageReward config: {err}") from None
         weights = directory / "model.safetensors"
         try:
-            model.load_state_dict(_load_state_dict(weights))
+            model.load_state_dict(hub.read_state_dict(weights))
         except RuntimeError as err:
             raise ValueError(f"{str(weights)!r} does not match {str(where)!r}: {err}") from None
         return model.eval().requires_grad_(False)
@@ -303,29 +296,11 @@ def _is_converted(path: Path) -> bool:
 def _original_checkpoint(model: str | os.PathLike[str], only_local: bool) -> Path | None:
     """The published checkpoint named by ``model`` (a file, a directory holding
     :data:`IMAGEREWARD_FILE`, or a hub id), or None where ``model`` is a converted directory."""
-    hint = _download_hint(IMAGEREWARD_REPO, IMAGEREWARD_FILE)
-    source, is_local = _resolve(model, "ImageReward model", hint)
-    if is_local:
-        path = Path(source)
-        if _is_converted(path):
-            return None
-        path = path / IMAGEREWARD_FILE if path.is_dir() else path
-        if not path.is_file():
-            raise FileNotFoundError(
-                f"ImageReward model {source!r} is neither a converted directory (config.json of "
-                f"format {_FORMAT!r}) nor holds {IMAGEREWARD_FILE}; {hint}"
-            )
-        return path
-    from huggingface_hub import hf_hub_download
-    from huggingface_hub.errors import EntryNotFoundError
-
-    with _loading(
-        f"ImageReward checkpoint {IMAGEREWARD_FILE} of", source, False, only_local, IMAGEREWARD_FILE
-    ):
-        try:
-            return Path(hf_hub_download(source, IMAGEREWARD_FILE, local_files_only=only_local))
-        except EntryNotFoundError as err:  # not an OSError in huggingface_hub >= 1
-            raise OSError(str(err)) from err
+    if _is_converted(Path(os.path.expanduser(model))):
+        return None
+    return hub.checkpoint_file(
+        model, IMAGEREWARD_FILE, "ImageReward checkpoint", repo=IMAGEREWARD_REPO, only_local=only_local
+    )
 
 
 @register_reward("imagereward")
@@ -364,9 +339,10 @@ class ImageReward:
         batch_size: int = 32,
         local_files_only: bool | None = None,
     ) -> None:
-        transformers = _transformers()
-        dtype, self.batch_size = _torch_dtype(dtype), _batch_size(batch_size)
-        only_local = _offline(local_files_only)
+        from transformers import AutoTokenizer
+
+        dtype, self.batch_size = floating_dtype(dtype), check_batch_size(batch_size)
+        only_local = hub.offline(local_files_only)
         original = _original_checkpoint(model, only_local)
         if original is None:
             self.model = ImageRewardModel.from_pretrained(model)
@@ -374,13 +350,13 @@ class ImageReward:
         else:
             try:
                 self.model = ImageRewardModel.from_original(
-                    _load_state_dict(original), vision_heads=vision_heads, text_heads=text_heads
+                    hub.read_state_dict(original), vision_heads=vision_heads, text_heads=text_heads
                 )
             except ValueError as err:
                 raise ValueError(f"{str(original)!r}: {err}") from None
-        source, is_local = _resolve(tokenizer, "ImageReward tokenizer", _download_hint(str(tokenizer)))
-        with _loading("ImageReward tokenizer", source, is_local, only_local, '"*.json" "*.txt"'):
-            self.tokenizer = transformers.AutoTokenizer.from_pretrained(source, local_files_only=only_local)
+        source = hub.resolve(tokenizer, "ImageReward tokenizer")
+        with hub.loading("ImageReward tokenizer", source, only_local, include=hub.CONFIG_FILES):
+            self.tokenizer = AutoTokenizer.from_pretrained(source.location, local_files_only=only_local)
         self.model.to(device=device, dtype=dtype)
         self.model.head.float()
         size = self.model.vision_model.config.image_size
@@ -407,18 +383,12 @@ class ImageReward:
     def __call__(
         self, images: Tensor, prompts: Sequence[str], metadata: Sequence[Mapping[str, Any]] | None = None
     ) -> Tensor:
-        _check_batch(images, prompts, metadata)
+        check_batch(images, prompts, metadata)
         dtype = self.model.vision_model.embeddings.patch_embedding.weight.dtype
         out = [torch.empty(0, device=self.device)]  # for B = 0
         for start in range(0, images.shape[0], self.batch_size):
             part = slice(start, start + self.batch_size)
             pixels = self.transform(images[part]).to(device=self.device, dtype=dtype)
-            tokens = self.tokenizer(
-                list(prompts[part]),
-                padding=True,
-                truncation=True,
-                max_length=self.max_length,
-                return_tensors="pt",
-            ).to(self.device)
+            tokens = tokenize(self.tokenizer, prompts[part], self.max_length, self.device)
             out.append(self.model(pixels, tokens["input_ids"], tokens["attention_mask"]))
         return torch.cat(out)

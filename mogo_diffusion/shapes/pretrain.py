@@ -9,9 +9,10 @@ training scenes (:func:`~mogo_diffusion.shapes.scenes.sample_scenes`, split ``"t
    ``(mode(q(z|x)) - shift) * scale`` have mean 0 and variance 1 over the pool;
 2. ``transformer``: the "small" SD3 transformer learns flow matching on (scaled latent, caption):
    ``x_t = (1 - t) x0 + t eps``, loss ``||v(x_t, 1000 t, c) - (eps - x0)||^2``, with
-   ``t = s u / (1 + (s - 1) u)``, ``u = sigmoid(N(0, 1))`` (SD3's logit-normal, shifted by the
-   scheduler's shift s) and no caption dropout (our sampler is CFG-free). Text embeddings are
-   computed once per distinct caption; the saved weights are an EMA of the trained ones. The
+   ``t = s u / (1 + (s - 1) u)``, ``u = sigmoid(N(0, 1))`` (SD3's logit-normal, diffusers'
+   ``compute_density_for_timestep_sampling``, shifted by the scheduler's shift s) and no caption
+   dropout (our sampler is CFG-free). Text embeddings are computed once per distinct caption; the
+   saved weights are an EMA of the trained ones (diffusers' ``EMAModel``). The
    whole pipeline is saved to ``DIR`` (safetensors, fp32), for
    :func:`mogo_diffusion.models.load_pipeline`;
 3. ``clip``: a tiny :class:`~transformers.CLIPModel` (width 64, 3 + 3 layers, 32 px, patch 4) learns
@@ -41,6 +42,7 @@ from typing import Any
 
 import torch
 from diffusers import AutoencoderKL, SD3Transformer2DModel, StableDiffusion3Pipeline
+from diffusers.training_utils import EMAModel, compute_density_for_timestep_sampling
 from torch import Tensor, nn
 from torch.nn import functional
 from tqdm.auto import tqdm
@@ -224,7 +226,9 @@ def flow_matching_loss(
         shift: the scheduler's shift s of the logit-normal times.
         generator: RNG of the times and the noise.
     """
-    u = torch.sigmoid(torch.randn(x0.shape[0], generator=generator))
+    u = compute_density_for_timestep_sampling(
+        "logit_normal", x0.shape[0], logit_mean=0.0, logit_std=1.0, generator=generator
+    )
     t = shift * u / (1 + (shift - 1) * u)
     eps = torch.randn(x0.shape, generator=generator)
     x_t = (1 - t[:, None, None, None]) * x0 + t[:, None, None, None] * eps
@@ -259,7 +263,8 @@ def train_transformer(
         latents: ``[N, C, h, w]`` scaled latents of the pool.
         caption_index: ``[N]`` row of each latent's caption in ``embeds`` / ``pooled``.
         embeds, pooled: ``[P, S, D]``, ``[P, Dp]`` embeddings of the P distinct captions.
-        ema: decay of the weight average (``min(ema, (1 + k) / (10 + k))`` at step k).
+        ema: the largest decay of the weight average (diffusers' ``EMAModel``: the trained weights
+            after the first step, then decay ``min(ema, k / (9 + k))`` after step k = 2, 3, ...).
 
     Returns:
         The per-step losses.
@@ -267,13 +272,13 @@ def train_transformer(
     params = [p for p in transformer.parameters() if p.requires_grad]
     optimizer = torch.optim.AdamW(params, lr=lr, weight_decay=0.0, betas=(0.9, 0.99))
     schedule = torch.optim.lr_scheduler.LambdaLR(optimizer, _cosine(warmup, steps))
-    average = [p.detach().clone() for p in params]
+    average = EMAModel(params, decay=ema)
     losses = []
     transformer.train()
     progress = tqdm(
         _batches(len(latents), batch, steps, generator), total=steps, desc="transformer", mininterval=2
     )
-    for step, index in enumerate(progress):
+    for index in progress:
         rows = caption_index[index]
         loss = flow_matching_loss(
             transformer, latents[index], embeds[rows], pooled[rows], shift=shift, generator=generator
@@ -283,15 +288,10 @@ def train_transformer(
         nn.utils.clip_grad_norm_(params, 1.0)
         optimizer.step()
         schedule.step()
-        decay = min(ema, (1 + step) / (10 + step))
-        with torch.no_grad():
-            for a, p in zip(average, params, strict=True):
-                a.lerp_(p.detach(), 1 - decay)
+        average.step(params)
         losses.append(loss.item())
         progress.set_postfix(loss=f"{sum(losses[-50:]) / len(losses[-50:]):.4f}", refresh=False)
-    with torch.no_grad():
-        for p, a in zip(params, average, strict=True):
-            p.copy_(a)
+    average.copy_to(params)
     transformer.eval()
     return losses
 

@@ -206,7 +206,7 @@ def test_scores_are_finite_deterministic_batched_and_follow_the_prompt(converted
 def test_loading_errors_name_the_problem(converted, tmp_path):
     with pytest.raises(FileNotFoundError, match="does not exist"):
         ImageReward(tmp_path / "missing")
-    with pytest.raises(FileNotFoundError, match="nor holds ImageReward"):
+    with pytest.raises(FileNotFoundError, match=r"ImageReward checkpoint .*ImageReward\.pt' not found"):
         ImageReward(tmp_path)
     bad = tmp_path / "bad"
     bad.mkdir()

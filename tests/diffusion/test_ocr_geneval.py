@@ -584,7 +584,7 @@ def test_detector_loading_errors(tmp_path, yolos_dir):
     with pytest.raises(FileNotFoundError, match="nor is it a hub id"):
         GenEvalReward("not a model")
     with pytest.raises(
-        OSError, match=r"could not load detector 'mogo-test/no-such-detector' from the local cache"
+        OSError, match=r"could not load detector 'mogo-test/no-such-detector' from the local hub cache"
     ):
         TransformersDetector.from_pretrained("mogo-test/no-such-detector")
     (tmp_path / "file.txt").write_text("x")

@@ -311,6 +311,42 @@ def test_pretrain_runs_end_to_end_and_loads(tmp_path):
     assert (out / "transformer" / "diffusion_pytorch_model.safetensors").read_bytes() == before
 
 
+@pytest.mark.parametrize("ema", [0.0, 0.5, 0.999])
+def test_the_pretrained_transformer_is_the_ema_of_its_trained_weights(ema):
+    """After K steps the weights are diffusers' EMAModel average of the weights after each step:
+    s_1 = p_1, s_k = d_k s_(k-1) + (1 - d_k) p_k with d_k = min(ema, k / (9 + k))."""
+    from torch.optim.optimizer import register_optimizer_step_post_hook
+
+    from mogo_diffusion.models import tiny_sd3
+    from mogo_diffusion.shapes.pretrain import train_transformer
+
+    transformer = tiny_sd3("smoke", seed=0).transformer
+    params = [p for p in transformer.parameters() if p.requires_grad]
+    trained = []  # p_k, after each optimizer step
+    hook = register_optimizer_step_post_hook(lambda *_: trained.append([p.detach().double() for p in params]))
+    g = torch.Generator().manual_seed(0)
+    dim, pooled = transformer.config.joint_attention_dim, transformer.config.pooled_projection_dim
+    try:
+        train_transformer(
+            transformer, torch.randn(16, 16, 4, 4, generator=g), torch.randint(0, 2, (16,), generator=g),
+            torch.randn(2, 8, dim, generator=g), torch.randn(2, pooled, generator=g), shift=3.0, steps=5,
+            batch=4, lr=1e-2, warmup=1, ema=ema, generator=g,
+        )  # fmt: skip
+    finally:
+        hook.remove()
+    assert len(trained) == 5
+    average = trained[0]
+    for k, step in enumerate(trained[1:], start=2):
+        decay = min(ema, k / (9 + k))
+        average = [decay * a + (1 - decay) * p for a, p in zip(average, step, strict=True)]
+    for p, a, last in zip(params, average, trained[-1], strict=True):
+        # each update s - (1 - d)(s - p) rounds three times (2^-24 of |w| at most) and d <= 9/14
+        # shrinks what came before: |error| <= 3 * 2^-24 * max|w| / (1 - 9/14) < 9 * 2^-24 * max|w|
+        bound = 9 * 2.0**-24 * float(torch.cat([a.abs().flatten(), last.abs().flatten()]).max())
+        assert float((p.detach().double() - a).abs().max()) <= bound
+    assert any(not torch.equal(a, last) for a, last in zip(average, trained[-1], strict=True)) == (ema > 0)
+
+
 def test_pretrain_help_and_bad_arguments(tmp_path, capsys):
     from mogo_diffusion.shapes.pretrain import main
 
