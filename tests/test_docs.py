@@ -45,6 +45,7 @@ DIFFUSION_MODULES = (
     "run_dir",
     "train",
     "checks",
+    "compilation",
     "resumable",
     "progress",
     "quiet",
