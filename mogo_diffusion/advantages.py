@@ -24,13 +24,21 @@ tensor([[-1.4140,  0.0000],
 
 from __future__ import annotations
 
+import math
 from collections.abc import Hashable, Sequence
 from typing import Literal
 
 import torch
 from torch import Tensor
 
-__all__ = ["StdScope", "nan_mean", "per_reward_advantages", "weighted_sum_advantages", "zscore_rewards"]
+__all__ = [
+    "StdScope",
+    "nan_mean",
+    "normalize_then_sum",
+    "per_reward_advantages",
+    "weighted_sum_advantages",
+    "zscore_rewards",
+]
 
 StdScope = Literal["batch", "group"]
 
@@ -88,6 +96,7 @@ def per_reward_advantages(
     adv_clip: float = 5.0,
     eps: float = 1e-4,
     names: Sequence[str] | None = None,
+    ddof: int = 0,
 ) -> Tensor:
     """Per-reward group-normalised advantages.
 
@@ -99,6 +108,8 @@ def per_reward_advantages(
         adv_clip: ``C`` > 0, the advantages are clipped to ``[-C, C]`` (``inf`` disables it).
         eps: > 0, added to the std.
         names: the rewards' names, for error messages.
+        ddof: 0 for the population std (DiffusionNFT's ``np.std``), 1 for the Bessel-corrected
+            one (``n - 1``, TRL's ``nanstd``); a std over fewer than ``ddof + 1`` samples is 0.
 
     Returns:
         ``[B, K]`` advantages in ``rewards``' dtype and device, NaN exactly where ``rewards`` is.
@@ -113,6 +124,8 @@ def per_reward_advantages(
         raise ValueError(f"adv_clip must be > 0, got {adv_clip!r}")
     if not 0 < eps < float("inf"):
         raise ValueError(f"eps must be a finite number > 0, got {eps!r}")
+    if ddof not in (0, 1):
+        raise ValueError(f"ddof must be 0 (population std) or 1 (Bessel-corrected), got {ddof!r}")
     B, K = rewards.shape
     group = _group_index(group_ids, B, rewards.device)
     G = int(group.max()) + 1 if B else 0
@@ -127,9 +140,9 @@ def per_reward_advantages(
     centred = torch.where(valid, R - group_mean(x, count)[group], 0.0)
     if std_scope == "batch":
         deviation = torch.where(valid, R - nan_mean(R), 0.0)
-        std = nan_mean(torch.where(valid, deviation.square(), float("nan"))).nan_to_num(0.0).sqrt()
+        std = (deviation.square().sum(0) / (valid.sum(0) - ddof).clamp_min(1)).sqrt()
     else:
-        std = group_mean(centred.square(), count).sqrt()[group]
+        std = group_mean(centred.square(), count - ddof).sqrt()[group]
     advantages = (centred / (std + eps)).clamp(-adv_clip, adv_clip)
     return torch.where(valid, advantages, float("nan")).to(rewards.dtype)
 
@@ -197,3 +210,78 @@ def zscore_rewards(rewards: Tensor, *, eps: float = 1e-4, names: Sequence[str] |
     deviation = torch.where(valid, R - nan_mean(R), 0.0)
     std = nan_mean(torch.where(valid, deviation.square(), float("nan"))).nan_to_num(0.0).sqrt()
     return torch.where(valid, deviation / (std + eps), float("nan")).to(rewards.dtype)
+
+
+def normalize_then_sum(
+    rewards: Tensor,
+    weights: Tensor | Sequence[float],
+    group_ids: Tensor | Sequence[Hashable],
+    *,
+    std_scope: StdScope = "group",
+    ddof: int = 1,
+    batch_norm: bool = True,
+    rescale_masked: bool = False,
+    adv_clip: float = 5.0,
+    eps: float = 1e-4,
+    names: Sequence[str] | None = None,
+) -> Tensor:
+    """GDPO's advantage: each reward normalised within its group, then a weighted sum, re-normalised.
+
+    TRL's ``GRPOConfig(multi_objective_aggregation="normalize_then_sum")`` (GDPO, Liu et al. 2026,
+    arXiv 2601.05242; MO-GRPO). For rewards ``R [B, K]`` (NaN where a reward does not apply):
+
+    .. code-block:: text
+
+        Z_ik = (R_ik - mean_{g(i)} R_k) / (std_{g(i)} R_k + eps)      (per group, as TRL)
+        S_i  = sum_k w_k Z_ik / p_k     over the rewards that apply to i (TRL's nansum)
+        A_i  = (S_i - mean S) / (std S + eps)                          (batch_norm)
+
+    ``p_k = 1`` unless ``rescale_masked``: then ``p_k = n_k / B``, the share of the batch reward k
+    applies to, so that a reward measured on a third of the samples weighs in the summed
+    advantage's gradient as much as one measured on all (its NaN samples count 0 in the sum).
+    With TRL's defaults (``std_scope="group"``, ``ddof=1``, ``batch_norm=True``) the result equals
+    TRL's, computed here in float64, but where TRL leaves the advantages unclipped (ours are
+    clipped to ``+-adv_clip``, which the NFT loss does anyway) and where a sample that no reward
+    applies to gets advantage 0 (TRL's ``nan_to_num``; it takes no part in the batch statistics).
+    TRL's groups are consecutive runs of ``num_generations`` rows; ours are ``group_ids``.
+
+    Args:
+        rewards: ``[B, K]`` as in :func:`per_reward_advantages`.
+        weights: ``[K]`` finite weights.
+        group_ids: as in :func:`per_reward_advantages`.
+        std_scope: ``Z``'s std within each ``"group"`` (TRL) or over the ``"batch"``.
+        ddof: 1 for the Bessel-corrected std of TRL's ``nanstd`` (both stds), 0 for the
+            population std of :func:`per_reward_advantages`.
+        batch_norm: re-normalise the sum over the batch (TRL always does).
+        rescale_masked: divide each reward's ``Z`` by the share of the batch it applies to.
+        adv_clip, eps, names: as in :func:`per_reward_advantages`.
+
+    Returns:
+        ``[B]`` advantages in ``rewards``' dtype and device (no NaN).
+
+    >>> rewards = torch.tensor([[1.0, 0.0], [3.0, float("nan")], [2.0, 1.0], [2.0, 3.0]])
+    >>> normalize_then_sum(rewards, [1.0, 1.0], [0, 0, 1, 1])
+    tensor([-0.8659,  0.8659, -0.8659,  0.8659])
+    """
+    _check_rewards(rewards, names)
+    w = torch.as_tensor(weights, dtype=torch.float64, device=rewards.device)
+    if w.shape != (rewards.shape[1],) or not bool(torch.isfinite(w).all()):
+        raise ValueError(f"weights must be {rewards.shape[1]} finite numbers, got {w.tolist()}")
+    if not adv_clip > 0:
+        raise ValueError(f"adv_clip must be > 0, got {adv_clip!r}")
+    options = {"std_scope": std_scope, "eps": eps, "ddof": ddof}
+    Z = per_reward_advantages(rewards.detach().to(torch.float64), group_ids, adv_clip=math.inf, **options)
+    applies = ~torch.isnan(Z)
+    if rescale_masked:
+        Z = Z * (len(Z) / applies.sum(0).clamp_min(1).to(Z.dtype))
+    total = torch.where(applies, Z, 0.0) @ w
+    scored = applies.any(dim=1)
+    if batch_norm:
+        total = torch.where(scored, total, float("nan"))
+        count = int(scored.sum())
+        mean = nan_mean(total[:, None])[0].nan_to_num(0.0)
+        deviation = torch.where(scored, total - mean, 0.0)
+        std = (deviation.square().sum() / max(count - ddof, 1)).sqrt()
+        total = deviation / (std + eps)
+    total = torch.where(scored, total, 0.0).clamp(-adv_clip, adv_clip)
+    return total.to(rewards.dtype)

@@ -32,6 +32,15 @@ file, ``--arm-file``, mapping names to partial configs):
     upgrad_n10, cagrad_n10 UPGrad and CAGrad (mogo.WEIGHTINGS) amortized as marble_n10; any
                            registered weighting runs as the arm <name>_n10
     ablations              marble_n10_neutral, marble_n10_noema, mgda_n10 (ABLATIONS)
+    normalize_then_sum     GDPO / TRL's normalize_then_sum (one advantage, each reward normalised
+                           in its group first); _rescaled: a masked reward by its share
+    famo                   the weighted sum, weights moved by the rewards' improvement rates
+    marble_released        MARBLE as its released code trains; _equal_alpha: its ablation
+    marble_n10_cross       marble_n10 on the cross-fitted Gram of each micro-batch's halves
+    marble_n1_moco         MARBLE every step on an EMA (0.9) of each reward's gradient (MoCo)
+    marble_n1_smooth       MARBLE every step applying the EMA (0.9) of alpha (CR-MOGM)
+    gated_n1_cross         the weighted sum, projected where the halves show a conflict
+    sdmgrad_n1_cross       SDMGrad every step on the cross-fitted Gram
 
 Every arm trains ``--epochs`` epochs (the base's by default) with the same seeds, evaluated
 :data:`EVALUATIONS` times; each run is a ``python -m mogo_diffusion.train --config`` subprocess
@@ -130,6 +139,9 @@ __all__ = [
 _AMORTIZED = {"harmonize_every": 10, "alpha_ema": 0.9}
 """The paper's amortization: alpha re-solved every 10 steps, its EMA (0.9) reused in between."""
 
+_EVERY_STEP = {"harmonize_every": 1, "alpha_ema": 0.0}
+"""Weights solved at every step and applied as they are."""
+
 ARMS: dict[str, dict[str, Any]] = {
     "weighted_sum": {"strategy": {"name": "weighted_sum", "reward_scale": "raw"}},
     "weighted_sum_z": {"strategy": {"name": "weighted_sum", "reward_scale": "zscore"}},
@@ -142,6 +154,19 @@ ARMS: dict[str, dict[str, Any]] = {
         "nft": {"nonapplicable": "neutral"},
     },
     "marble_n10_noema": {"strategy": {"name": "marble", "harmonize_every": 10, "alpha_ema": 0.0}},
+    # the field's other ways (docs/methods.rst), run by name with --arms
+    "normalize_then_sum": {"strategy": {"name": "normalize_then_sum"}},
+    "normalize_then_sum_rescaled": {"strategy": {"name": "normalize_then_sum", "rescale_masked": True}},
+    "famo": {"strategy": {"name": "famo"}},
+    "marble_released": {"strategy": {"name": "marble_released"}},
+    "marble_released_equal_alpha": {"strategy": {"name": "marble_released", "alpha": "equal"}},
+    "marble_n10_cross": {"strategy": {"name": "marble", **_AMORTIZED, "gram": "cross_fitted"}},
+    "marble_n1_moco": {"strategy": {"name": "marble", **_EVERY_STEP, "grad_ema": 0.9}},
+    "marble_n1_smooth": {
+        "strategy": {"name": "marble", "harmonize_every": 1, "alpha_ema": 0.9, "smooth_harmonized": True}
+    },
+    "gated_n1_cross": {"strategy": {"name": "gated_projection", **_EVERY_STEP, "gram": "cross_fitted"}},
+    "sdmgrad_n1_cross": {"strategy": {"name": "sdmgrad", **_EVERY_STEP, "gram": "cross_fitted"}},
 }
 """The named arms, each a partial config over the base config (the families ``single:<reward>``,
 ``weighted_sum@w1,...,wK``, ``sequential`` and ``<weighting>_n10`` depend on the base:

@@ -16,7 +16,8 @@ the end appends) and a YAML value (``train.lr=1e-4``, ``model.lora_targets=[to_q
 
 ``strategy`` is a tagged union keyed by ``strategy.name``: each strategy has its own fields
 (:class:`MarbleConfig`, :class:`WeightedSumConfig`, :class:`SequentialConfig`,
-:class:`SingleConfig`, and :class:`HarmonizedConfig` for any other name, a weighting registered
+:class:`SingleConfig`, :class:`NormalizeThenSumConfig`, :class:`MarbleReleasedConfig`,
+:class:`FamoConfig`, and :class:`HarmonizedConfig` for any other name, a weighting registered
 in :data:`mogo.WEIGHTINGS`). Setting ``strategy.name`` to another strategy (in a file or an
 override) starts that strategy's fields from their defaults.
 
@@ -52,10 +53,13 @@ __all__ = [
     "REMOVED",
     "Config",
     "ConfigError",
+    "FamoConfig",
     "HarmonizedConfig",
     "MarbleConfig",
+    "MarbleReleasedConfig",
     "ModelConfig",
     "NFTConfig",
+    "NormalizeThenSumConfig",
     "PromptSource",
     "RewardSpec",
     "SamplingConfig",
@@ -241,6 +245,15 @@ class MarbleConfig:
             estimated on the ``"first"`` of them or on the whole ``"window"``.
         grad_mode, nonfinite: passed to :class:`mogo.HarmonizedOptimizer` (``train.mixed_precision:
             fp16`` needs ``nonfinite: skip``, so that an overflowing step is skipped).
+        gram: what the weighting weighs: the ``"same_batch"`` Gram matrix of the micro-batch's K
+            gradients, or the ``"cross_fitted"`` estimate ``(G_12 + G_21) / 2`` from the two
+            halves of its rows, free of the batch's own noise (:func:`mogo.cross_fitted_gram`;
+            needs ``train.batch_size >= 2``); it adds the cross-batch conflict metrics.
+        grad_ema: beta in [0, 1): the weighting weighs the Gram matrix of an EMA of each reward's
+            gradient across harmonizations (MoCo; memory: K, or 2K with halves, gradients of the
+            adapter); 0 tracks nothing.
+        smooth_harmonized: a harmonization applies the EMA-smoothed alpha too, not its own
+            (CR-MOGM; with ``harmonize_every: 1`` every step's weights are the average).
     """
 
     name: Literal["marble"] = "marble"
@@ -249,6 +262,9 @@ class MarbleConfig:
     estimate: Literal["first", "window"] = "first"
     grad_mode: Literal["auto", "batched", "sequential"] = "auto"
     nonfinite: Literal["raise", "skip", "drop"] = "raise"
+    gram: Literal["same_batch", "cross_fitted"] = "same_batch"
+    grad_ema: float = _field(0.0, check=DECAY)
+    smooth_harmonized: bool = False
 
 
 @dataclass
@@ -283,6 +299,74 @@ class WeightedSumConfig:
 
 
 @dataclass
+class NormalizeThenSumConfig:
+    """``normalize_then_sum``: GDPO / TRL's ``multi_objective_aggregation="normalize_then_sum"``,
+    one NFT loss from :func:`mogo_diffusion.advantages.normalize_then_sum` of the rewards, weighted
+    by ``rewards[*].weight`` (1 each when no reward has one).
+
+    Attributes:
+        std_scope: each reward's std within its prompt ``"group"`` (TRL) or over the ``"batch"``;
+            it replaces ``nft.std_scope`` (the per-reward strategies' choice) for this strategy.
+        bessel: the Bessel-corrected std (``n - 1``, TRL's), or the population std.
+        batch_norm: re-normalise the weighted sum over the batch (TRL always does).
+        rescale_masked: divide a reward's normalised values by the share of the batch it applies
+            to, so that a reward measured on a third of the samples counts as much as the others.
+    """
+
+    name: Literal["normalize_then_sum"] = "normalize_then_sum"
+    std_scope: Literal["group", "batch"] = "group"  # this strategy's, in place of nft.std_scope
+    bessel: bool = True
+    batch_norm: bool = True
+    rescale_masked: bool = False
+
+
+@dataclass
+class MarbleReleasedConfig:
+    """``marble_released``: MARBLE as the released code (aim-uofa/MARBLE) trains, micro-step by
+    micro-step (:mod:`mogo_diffusion.released_marble`). Its advantages are
+    ``nft.std_scope: batch`` and its solves ``nft.nonapplicable: exclude``, which it needs.
+
+    Attributes:
+        harmonize_every: N: a micro-step solves when ``N`` optimizer steps have passed since the
+            last solve (the release's ``amortize_every_n``, 10).
+        warmup_steps: optimizer steps whose every micro-step solves (``amortize_warmup``, 1).
+        alpha_ema: the decay of the cached alpha, blended at every solve (``alpha_ema_decay``, 0.7).
+        solver: ``"slsqp"`` (scipy's SLSQP, as released) or ``"exact"`` (:func:`mogo.min_norm`).
+        alpha: ``"solved"`` (the QP), ``"equal"`` (``1/K``, never solved: the release's equal-alpha
+            ablation) or K fixed non-negative values (its ``fixed_alphas``), used as given.
+    """
+
+    name: Literal["marble_released"] = "marble_released"
+    harmonize_every: int = _field(10, check=POSITIVE)
+    warmup_steps: int = _field(1, check=NON_NEGATIVE)
+    alpha_ema: float = _field(0.7, check=DECAY)
+    solver: Literal["slsqp", "exact"] = "slsqp"
+    alpha: Literal["solved", "equal"] | list[float] = "solved"
+
+
+@dataclass
+class FamoConfig:
+    """``famo``: a weighted sum of the rewards (as ``weighted_sum``) whose weights move each epoch
+    from the rewards' improvement rates over the last ``window`` epochs, FAMO-style
+    (:mod:`mogo_diffusion.reward_rates`); they start at ``rewards[*].weight`` (equal without).
+
+    Attributes:
+        window: epochs (>= 2) whose per-reward batch means give each reward's improvement rate
+            (the least-squares slope; more epochs, less noise, slower to react).
+        lr: the step size in logits per unit of rate (a rate is a reward's change per epoch in
+            units of its within-epoch std: a lag of 0.02 std an epoch behind four equally
+            weighted others moves its logit up by about ``lr * 0.2 * 0.02`` an epoch).
+        reward_scale, nan: as :class:`WeightedSumConfig`'s.
+    """
+
+    name: Literal["famo"] = "famo"
+    window: int = _field(8, check=(">= 2", lambda x: x >= 2))
+    lr: float = _field(5.0, check=POSITIVE)
+    reward_scale: Literal["raw", "zscore"] = "zscore"
+    nan: Literal["zero", "raise"] = "zero"
+
+
+@dataclass
 class SequentialConfig:
     """``sequential``: one reward at a time, by ``stages`` in order, cycling."""
 
@@ -299,13 +383,25 @@ class SingleConfig:
 
 
 # How the K reward losses become one update: one record per strategy, tagged by ``name``.
-StrategyConfig = MarbleConfig | WeightedSumConfig | SequentialConfig | SingleConfig | HarmonizedConfig
+StrategyConfig = (
+    MarbleConfig
+    | WeightedSumConfig
+    | SequentialConfig
+    | SingleConfig
+    | NormalizeThenSumConfig
+    | MarbleReleasedConfig
+    | FamoConfig
+    | HarmonizedConfig
+)
 
 _STRATEGIES: dict[str, type] = {
     "marble": MarbleConfig,
     "weighted_sum": WeightedSumConfig,
     "sequential": SequentialConfig,
     "single": SingleConfig,
+    "normalize_then_sum": NormalizeThenSumConfig,
+    "marble_released": MarbleReleasedConfig,
+    "famo": FamoConfig,
 }
 
 

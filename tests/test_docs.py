@@ -69,6 +69,10 @@ DIFFUSION_MODULES = (
     "figures",
     "study",
     "preflight",
+    "released_marble",
+    "reward_rates",
+    "soups",
+    "noise",
 )
 
 

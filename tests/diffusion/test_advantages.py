@@ -10,7 +10,13 @@ import torch
 from hypothesis import given
 from hypothesis import strategies as st
 
-from mogo_diffusion.advantages import nan_mean, per_reward_advantages, weighted_sum_advantages, zscore_rewards
+from mogo_diffusion.advantages import (
+    nan_mean,
+    normalize_then_sum,
+    per_reward_advantages,
+    weighted_sum_advantages,
+    zscore_rewards,
+)
 
 NAN = float("nan")
 
@@ -224,3 +230,134 @@ def test_nan_mean_is_numpys_nanmean(rows):
     R = np.asarray(rows, dtype=np.float64)
     expected = [np.mean(R[~np.isnan(R[:, k]), k]) if (~np.isnan(R[:, k])).any() else np.nan for k in range(3)]
     np.testing.assert_allclose(nan_mean(torch.tensor(R)).numpy(), expected, rtol=1e-15)
+
+
+# ---- normalize_then_sum (GDPO, TRL's multi_objective_aggregation="normalize_then_sum") ----------
+
+
+def trl_nanstd(tensor, dim=None, keepdim=False):
+    """TRL's ``nanstd`` (trl/trainer/utils.py at f2cd577): Bessel-corrected, NaN for one value."""
+    mean = torch.nanmean(tensor, dim=dim, keepdim=True)
+    variance = torch.nanmean((tensor - mean) ** 2, dim=dim, keepdim=True)
+    count = torch.sum(~torch.isnan(tensor), dim=dim, keepdim=True)
+    nan = torch.full_like(count, math.nan, dtype=tensor.dtype)
+    correction = torch.where(count > 1, count / (count - 1), nan)
+    variance = variance * correction
+    if not keepdim:
+        variance = variance.squeeze(dim) if dim is not None else variance.reshape(())
+    return torch.sqrt(variance)
+
+
+def trl_normalize_then_sum(rewards_per_func, reward_weights, num_generations):
+    """TRL's GRPOTrainer branch ``multi_objective_aggregation == "normalize_then_sum"`` (f2cd577),
+    transcribed: groups are consecutive runs of ``num_generations`` rows."""
+    unscorable_mask = torch.isnan(rewards_per_func).all(dim=1)
+    grouped = rewards_per_func.view(-1, num_generations, rewards_per_func.shape[1])
+    mean_k = torch.nanmean(grouped, dim=1, keepdim=True)
+    std_k = trl_nanstd(grouped, dim=1, keepdim=True) if num_generations > 1 else torch.zeros_like(mean_k)
+    reward_k = ((grouped - mean_k) / (std_k + 1e-4)).view(-1, rewards_per_func.shape[1])
+    rewards = (reward_k * reward_weights.unsqueeze(0)).nansum(dim=1)
+    rewards[unscorable_mask] = torch.nan
+    std_rewards = trl_nanstd(rewards).expand_as(rewards) if rewards.numel() > 1 else torch.zeros_like(rewards)
+    advantages = (rewards - torch.nanmean(rewards)) / (std_rewards + 1e-4)
+    return torch.nan_to_num(advantages, nan=0.0)
+
+
+@st.composite
+def grouped_batches(draw):
+    """Rewards in ``count`` consecutive groups of ``size`` rows, TRL's layout, and weights."""
+    size, count, K = draw(st.integers(1, 4)), draw(st.integers(1, 4)), draw(st.integers(1, 3))
+    B = size * count
+    rows = draw(st.lists(st.lists(values, min_size=K, max_size=K), min_size=B, max_size=B))
+    weights = draw(st.lists(st.integers(0, 16).map(lambda n: n / 8), min_size=K, max_size=K))
+    return torch.tensor(rows, dtype=torch.float64), size, weights
+
+
+@given(grouped_batches())
+def test_normalize_then_sum_is_trls_formula(batch):
+    R, size, weights = batch
+    groups = [i // size for i in range(len(R))]
+    ours = normalize_then_sum(R, weights, groups, adv_clip=math.inf)  # TRL's defaults, unclipped
+    theirs = trl_normalize_then_sum(R, torch.tensor(weights, dtype=torch.float64), size)
+    # TRL's Bessel factor count / (count - 1) is a float32 division (int64 tensors): each of the two
+    # stds is off by up to 2^-25 relative, so the advantages by up to ~2^-23 of their size
+    tolerance = 2**-22
+    torch.testing.assert_close(ours, theirs, rtol=tolerance, atol=tolerance)
+    clipped = normalize_then_sum(R, weights, groups)
+    torch.testing.assert_close(clipped, theirs.clamp(-5, 5), rtol=tolerance, atol=tolerance)
+
+
+@given(batches(), st.randoms(use_true_random=False), st.sampled_from(["batch", "group"]), st.booleans())
+def test_normalize_then_sum_is_equivariant_in_samples_and_invariant_in_reward_order(
+    batch, rng, scope, rescale
+):
+    R, groups = batch
+    weights = [rng.randint(0, 8) / 4 for _ in range(R.shape[1])]
+    options = {"std_scope": scope, "rescale_masked": rescale}
+    A = normalize_then_sum(R, weights, groups, **options)
+    order = list(range(len(groups)))
+    rng.shuffle(order)
+    permuted = normalize_then_sum(R[order], weights, [groups[i] for i in order], **options)
+    torch.testing.assert_close(permuted, A[order], rtol=1e-12, atol=1e-12)
+    columns = list(range(R.shape[1]))
+    rng.shuffle(columns)
+    swapped = normalize_then_sum(R[:, columns], [weights[k] for k in columns], groups, **options)
+    torch.testing.assert_close(swapped, A, rtol=1e-12, atol=1e-12)  # the sum, in another order
+
+
+@given(batches(), st.sampled_from(["batch", "group"]), st.floats(0.125, 8))
+def test_normalize_then_sum_of_one_reward_is_its_weighted_sum_advantage(batch, scope, weight):
+    R, groups = batch
+    R = R[:, :1]
+    one = normalize_then_sum(R, [weight], groups, std_scope=scope, ddof=0, batch_norm=False)
+    expected = weight * per_reward_advantages(R, groups, std_scope=scope, adv_clip=math.inf)[:, 0]
+    torch.testing.assert_close(one, expected.nan_to_num(0.0).clamp(-5, 5), rtol=0, atol=0)
+    scored = ~torch.isnan(R[:, 0])  # the weighted sum of one reward: the same advantage, exactly
+    kept = [g for g, s in zip(groups, scored.tolist(), strict=True) if s]
+    ws = weighted_sum_advantages(R[scored], [1.0], kept, std_scope=scope)
+    unit = normalize_then_sum(R[scored], [1.0], kept, std_scope=scope, ddof=0, batch_norm=False)
+    torch.testing.assert_close(unit, ws, rtol=0, atol=0)
+
+
+@given(batches(min_size=2), st.sampled_from(["batch", "group"]), st.sampled_from([0, 1]))
+def test_batch_renormalisation_gives_mean_zero_and_std_one(batch, scope, ddof):
+    R, groups = batch
+    weights = [1.0] * R.shape[1]
+    options = {"std_scope": scope, "ddof": ddof, "adv_clip": math.inf, "eps": 1e-12}
+    summed = normalize_then_sum(R, weights, groups, batch_norm=False, **options)
+    A = normalize_then_sum(R, weights, groups, **options)
+    scored = ~torch.isnan(R).all(dim=1)
+    assert torch.equal(A[~scored], torch.zeros_like(A[~scored]))  # no reward applies: 0, as TRL
+    kept = A[scored]
+    if len(kept) <= ddof or float(summed[scored].std(correction=ddof)) < 1e-6:
+        return  # no spread to normalise
+    assert abs(float(kept.mean())) < 1e-12 * len(kept)
+    assert abs(float(kept.std(correction=ddof)) - 1) < 1e-9
+
+
+@given(batches(), st.sampled_from(["batch", "group"]), st.data())
+def test_rescaling_a_masked_reward_is_weighting_it_by_its_inverse_share(batch, scope, data):
+    R, groups = batch
+    weights = data.draw(st.lists(st.floats(0, 2), min_size=R.shape[1], max_size=R.shape[1]))
+    share = (~torch.isnan(R)).sum(0).clamp_min(1).double() / len(R)
+    rescaled = normalize_then_sum(R, weights, groups, std_scope=scope, rescale_masked=True)
+    scaled = torch.tensor(weights, dtype=torch.float64) / share
+    reweighted = normalize_then_sum(R, scaled, groups, std_scope=scope)
+    torch.testing.assert_close(rescaled, reweighted, rtol=1e-9, atol=1e-9)
+    full = R.nan_to_num(0.0)  # every reward applies: nothing to rescale
+    unmasked = normalize_then_sum(full, weights, groups)
+    torch.testing.assert_close(normalize_then_sum(full, weights, groups, rescale_masked=True), unmasked)
+
+
+def test_normalize_then_sum_bad_inputs():
+    R = torch.tensor([[1.0, 0.5], [2.0, NAN], [0.0, 0.1]])
+    with pytest.raises(ValueError, match="weights must be 2 finite numbers"):
+        normalize_then_sum(R, [1.0], [0, 0, 0])
+    with pytest.raises(ValueError, match="ddof must be 0"):
+        normalize_then_sum(R, [1.0, 1.0], [0, 0, 0], ddof=2)
+    with pytest.raises(ValueError, match="adv_clip"):
+        normalize_then_sum(R, [1.0, 1.0], [0, 0, 0], adv_clip=0)
+    with pytest.raises(ValueError, match="std_scope"):
+        normalize_then_sum(R, [1.0, 1.0], [0, 0, 0], std_scope="prompt")
+    with pytest.raises(ValueError, match="reward 'ocr' has infinite values"):
+        normalize_then_sum(torch.tensor([[0.0, math.inf]]), [1.0, 1.0], [0], names=["pick", "ocr"])

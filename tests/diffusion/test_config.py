@@ -454,6 +454,9 @@ STRATEGY_RUNS = {
     "weighted_sum": {"name": "weighted_sum", "reward_scale": "zscore"},
     "sequential": {"name": "sequential", "stages": [{"reward": "sharpness", "epochs": 1}]},
     "single": {"name": "single", "reward": "color_match"},
+    "normalize_then_sum": {"name": "normalize_then_sum", "rescale_masked": True},
+    "marble_released": {"name": "marble_released", "harmonize_every": 2},
+    "famo": {"name": "famo", "window": 2},
 }
 
 # The fields that a run does not read, and where each is read instead (checked below):
@@ -464,6 +467,7 @@ READ_ELSEWHERE = {
     ("WeightedSumConfig", "name"),
     ("SequentialConfig", "name"),
     ("SingleConfig", "name"),
+    ("NormalizeThenSumConfig", "name"),
 }
 
 

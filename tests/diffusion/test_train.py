@@ -685,7 +685,11 @@ def test_a_bad_prompt_source_is_named(tiny_dir, tmp_path):
         ),
         (["rewards.1.options={x: 3}"], "'sharpness' has no such option; it accepts none"),
         (["strategy.name=marbel"], "strategy.name: unknown strategy 'marbel' (did you mean 'marble'?)"),
-        (["strategy.name=marbel"], "strategies: marble, weighted_sum, sequential, single, or a weighting"),
+        (
+            ["strategy.name=marbel"],
+            "strategies: marble, weighted_sum, sequential, single, normalize_then_sum, marble_released, "
+            "famo, or a weighting",
+        ),
         (
             ["strategy.name=min_norm", "strategy.options={normalise: l2}"],
             "strategy.options: weighting 'min_norm'",
