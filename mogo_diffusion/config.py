@@ -702,8 +702,10 @@ def _check_weight_scale(rewards: list[RewardSpec]) -> None:
 
 
 class _Loader(yaml.SafeLoader):
-    """``yaml.SafeLoader`` that reads YAML 1.2 floats such as ``1e-4`` and refuses aliases, keys
-    given twice in a mapping and nesting deeper than :data:`MAX_DEPTH`."""
+    """``yaml.SafeLoader`` that reads YAML 1.2 floats such as ``1e-4`` and YAML 1.2 booleans (only
+    ``true`` and ``false``: ``no``, ``yes``, ``on`` and ``off`` stay strings, so
+    ``train.mixed_precision=no`` is the string its field takes), and refuses aliases, keys given
+    twice in a mapping and nesting deeper than :data:`MAX_DEPTH`."""
 
     def __init__(self, stream: str) -> None:
         super().__init__(stream)
@@ -741,6 +743,12 @@ class _Loader(yaml.SafeLoader):
         return super().construct_mapping(node, deep=deep)
 
 
+_BOOL = "tag:yaml.org,2002:bool"
+_Loader.yaml_implicit_resolvers = {
+    first: [(tag, pattern) for tag, pattern in resolvers if tag != _BOOL]
+    for first, resolvers in yaml.SafeLoader.yaml_implicit_resolvers.items()
+}
+_Loader.add_implicit_resolver(_BOOL, re.compile(r"^(?:true|True|TRUE|false|False|FALSE)$"), list("tTfF"))
 _Loader.add_implicit_resolver(
     "tag:yaml.org,2002:float",
     re.compile(r"^[-+]?(?:[0-9][0-9_]*(?:\.[0-9_]*)?|\.[0-9_]+)[eE][-+]?[0-9]+$"),

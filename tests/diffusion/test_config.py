@@ -309,6 +309,18 @@ def test_a_binary_file_a_directory_and_a_missing_file_are_named(tmp_path):
         load_config(tmp_path)
 
 
+@pytest.mark.parametrize("word", ["no", "yes", "on", "off", "No", "OFF"])
+def test_yaml_1_1_booleans_stay_strings_as_yaml_1_2_reads_them(tmp_path, word):
+    """``train.mixed_precision=no`` was the boolean False under YAML 1.1 and refused; a file and an
+    override read it alike, and only true/false are booleans."""
+    path = tmp_path / "run.yaml"
+    path.write_text(f"model:\n  revision: {word}\nrewards:\n  - name: sharpness\n")
+    config = load_config(path, ["train.mixed_precision=no", "train.compile=yes"])
+    assert (config.model.revision, config.train.mixed_precision, config.train.compile) == (word, "no", "yes")
+    with pytest.raises(ConfigError, match=r"train.compile: must be one of .* got True"):
+        load_config(path, ["train.compile=true"])
+
+
 def test_yaml_aliases_are_refused_before_they_expand(tmp_path):
     """D17: nine levels of aliases in reward options (429 bytes) expanded to 128 MB when saved."""
     levels = ["a0: &a0 [x, x, x, x, x, x, x, x, x, x]"]
