@@ -2,19 +2,21 @@
 
 No download: the transformer is built from SD3.5-M's config
 (:data:`mogo_diffusion.preflight.SD35M_TRANSFORMER`) with random weights in bfloat16, with the
-recipe's LoRA (rank 32, alpha 64, float32). The text
-encoders and the VAE are not needed: the prompt embeddings (``77 + max_sequence_length`` tokens of
-4096, pooled 2048) and the clean 512 px latents (16 x 64 x 64) are random, and so are the K = 5
-rewards' per-sample scores, turned into advantages by the strategy itself. Each training step is
-the trainer's own: :meth:`mogo_diffusion.train.Trainer.gradients` (the old, reference and trained
-forwards, the NFT loss of :mod:`mogo_diffusion.nft`, the strategy's backward and reduction) and
-:meth:`~mogo_diffusion.train.Trainer.update` (clip, AdamW), on a trainer holding only the parts a
-step uses. For the weighted sum, MARBLE N = 1 and MARBLE N = 10 (a whole cycle of 10 steps) it
-measures the images per second of training steps (``batch`` images at ``timesteps`` trained
-timesteps each; the recipe trains 24, the time grows with it linearly) and the peak memory; then it
-profiles one harmonization step of MARBLE N = 1 and gives the shares of mogo's ranges in it
-(``mogo.objective_grads`` the K gradients, ``mogo.gramian``, ``mogo.weighting`` the min-norm
-solve, ``mogo.combine``, ``mogo.report``). Writes JSON.
+recipe's LoRA (rank 32, alpha 64, float32). The text encoders and the VAE are not needed: the
+prompt embeddings (``77 + max_sequence_length`` tokens of 4096, pooled 2048) and the clean 512 px
+latents (16 x 64 x 64) are random, and so are the K = 5 rewards' per-sample scores, turned into
+advantages by the strategy itself (the rewards are five rule-based ones, which load nothing: only
+their number matters here). Each training step is the trainer's own:
+:meth:`mogo_diffusion.train.Trainer.gradients` (the old, reference and trained forwards, the NFT
+loss of :mod:`mogo_diffusion.nft`, the strategy's backward and reduction) and
+:meth:`~mogo_diffusion.train.Trainer.update` (clip, AdamW), on a trainer built from its
+components: a pipeline of the transformer and its scheduler alone. For the weighted sum, MARBLE
+N = 1 and MARBLE N = 10 (a whole cycle of 10 steps) it measures the images per second of training
+steps (``batch`` images at ``timesteps`` trained timesteps each; the recipe trains 24, the time
+grows with it linearly) and the peak memory; then it profiles one harmonization step of MARBLE
+N = 1 and gives the shares of mogo's ranges in it (``mogo.objective_grads`` the K gradients,
+``mogo.gramian``, ``mogo.weighting`` the min-norm solve, ``mogo.combine``, ``mogo.report``).
+Writes JSON.
 
     python benchmarks/gpu_check.py --out gpu_check.json          # one GPU, about 3 to 5 minutes
     python benchmarks/gpu_check.py --tiny --out tiny.json        # the same on the CPU, tiny SD3
@@ -30,16 +32,19 @@ from pathlib import Path
 from typing import Any
 
 import torch
+from accelerate import Accelerator
+from diffusers import FlowMatchEulerDiscreteScheduler, StableDiffusion3Pipeline
 
 import mogo
 from mogo_diffusion import models
 from mogo_diffusion.config import Config
 from mogo_diffusion.preflight import SD35M, SD35M_TRANSFORMER
-from mogo_diffusion.strategies import make_strategy
+from mogo_diffusion.prompts import PromptSet, load_prompt_pool
+from mogo_diffusion.rewards import MultiReward, make_reward
 from mogo_diffusion.streams import generator
 from mogo_diffusion.train import Batch, MicroBatch, Trainer
 
-REWARDS = ["pickscore", "hpsv21", "clipscore", "ocr", "geneval"]
+REWARDS = ["jpeg_compressibility", "sharpness", "color_match", "shapes_color", "shapes_shape"]
 STRATEGIES = {
     "weighted sum": {"name": "weighted_sum"},
     "marble N=1": {"name": "marble", "harmonize_every": 1},
@@ -69,16 +74,17 @@ def build_transformer(tiny: bool, device: torch.device, seed: int = 0) -> torch.
 
 
 def step_trainer(transformer: torch.nn.Module, config: Config, device: torch.device) -> Trainer:
-    """A :class:`Trainer` with only what :meth:`Trainer.gradients` and :meth:`Trainer.update` use
-    (no pipeline, no rewards, no accelerator): the real step on a transformer built here."""
-    trainer = Trainer.__new__(Trainer)
-    trainer.config, trainer.transformer, trainer.device = config, transformer, device
-    trainer.mixed_precision = config.train.mixed_precision
-    trainer.scaler = torch.amp.GradScaler(device.type, enabled=False)
-    trainer.params = models.lora_parameters(transformer)
-    trainer.strategy = make_strategy(config)
-    trainer.optimizer = trainer.strategy.build(trainer.params)
-    return trainer
+    """A :class:`Trainer` of ``config`` on a pipeline of ``transformer`` (with its LoRA adapters)
+    and a scheduler alone: what :meth:`Trainer.gradients` and :meth:`Trainer.update` use."""
+    pipeline = StableDiffusion3Pipeline(
+        transformer=transformer, scheduler=FlowMatchEulerDiscreteScheduler(), vae=None,
+        text_encoder=None, tokenizer=None, text_encoder_2=None, tokenizer_2=None,
+        text_encoder_3=None, tokenizer_3=None,
+    )  # fmt: skip
+    rewards = MultiReward([make_reward(name) for name in REWARDS])
+    prompts = load_prompt_pool(PromptSet(["a prompt"], [{}]))  # no epoch is sampled
+    accelerator = Accelerator(cpu=device.type == "cpu")
+    return Trainer(config, pipeline, rewards, prompts, accelerator=accelerator)
 
 
 def random_batch(transformer: torch.nn.Module, args: argparse.Namespace, device: torch.device) -> Batch:
@@ -106,7 +112,8 @@ def run_config(args: argparse.Namespace, strategy: dict[str, Any]) -> Config:
             "sampling": {"resolution": args.resolution},
             "rewards": [{"name": name, "weight": 1.0} for name in REWARDS],
             "strategy": strategy,
-            "train": {"batch_size": args.batch, "mixed_precision": "no" if args.tiny else "bf16"},
+            "train": {"batch_size": args.batch, "mixed_precision": "no" if args.tiny else "bf16",
+                      "compile": "no"},  # eager steps, as measured so far
         }
     )  # fmt: skip
 

@@ -99,7 +99,7 @@ def main(argv: list[str] | None = None) -> dict:
         sampling={"prompts_per_epoch": args.prompts, "group_size": args.group, "eval_prompts": None},
         train={"out_dir": "runs/gradient-agreement"},
     )
-    trainer = Trainer(config)
+    trainer = Trainer.from_config(config)
     if args.same_prompt:
         trainer.prompts = PromptPool(
             [PromptSet(trainer.prompts.prompts[:1], trainer.prompts.metadata[:1])], [1]

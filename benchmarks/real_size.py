@@ -184,7 +184,7 @@ class MeasuredTrainer(Trainer):
 
 
 def measured(config: Config, pipeline: StableDiffusion3Pipeline, phases: Phases, steps: list[str]) -> Trainer:
-    trainer = MeasuredTrainer(config, pipeline=pipeline)
+    trainer = MeasuredTrainer.from_config(config, pipeline=pipeline)
     trainer.phases, trainer.step_names = phases, steps
     return trainer
 
@@ -211,7 +211,7 @@ def state(trainer: Trainer) -> dict[str, list[torch.Tensor]]:
     return {
         "trained": [p.detach().clone() for p in trainer.params],
         "old": [p.detach().clone() for p in models.lora_parameters(trainer.transformer, models.OLD)],
-        "eval_ema": [t.clone() for t in trainer.eval_ema],
+        "eval_ema": [t.clone() for t in trainer.eval_ema.shadow_params],
         "amortizer": [torch.as_tensor(value) for _, value in sorted(amortizer.items())],
     }
 
@@ -226,7 +226,11 @@ def step_state_bytes(trainer: Trainer) -> int:
 def lora_state_bytes(trainer: Trainer) -> int:
     """The bytes of the LoRA and AdamW state: trained (and its gradient), old, evaluation EMA, the
     optimizer's moments."""
-    tensors = [*trainer.params, *models.lora_parameters(trainer.transformer, models.OLD), *trainer.eval_ema]
+    tensors = [
+        *trainer.params,
+        *models.lora_parameters(trainer.transformer, models.OLD),
+        *trainer.eval_ema.shadow_params,
+    ]
     return sum(t.nbytes for t in tensors) + step_state_bytes(trainer)
 
 

@@ -44,7 +44,7 @@ def trainer(pipeline_dir: Path, out: Path, strategy: dict, prompts: int) -> Trai
             "train": {"batch_size": 8, "mixed_precision": "no", "out_dir": str(out), "lr": 1e-4},
         }
     )  # fmt: skip
-    return Trainer(config)
+    return Trainer.from_config(config)
 
 
 def main() -> None:

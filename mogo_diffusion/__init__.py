@@ -7,7 +7,9 @@ Modules: ``models`` (loading, tiny SD3, LoRA), ``sampling``, ``nft``, ``advantag
 
 Without the ``diffusion`` extra, importing it raises an ``ImportError`` (a ``MissingExtraError``)
 saying ``pip install 'mogo[diffusion]'``; a command (``python -m mogo_diffusion.X``,
-``mogo-train``) prints that one line instead and exits with status 1.
+``mogo-train``) prints that one line instead and exits with status 1. A command also leaves
+transformers' notice of its PIL fallback out of its output
+(:func:`mogo_diffusion.quiet.quiet_backend_notice`).
 """
 
 import importlib.util as _util
@@ -25,11 +27,16 @@ def _require_diffusion_extra() -> None:
     extras.require("mogo_diffusion", "diffusion")
 
 
+# While ``python -m`` imports a module's parent package, ``sys.argv[0]`` is "-m" (see the Python
+# docs of ``-m``); ``mogo-train`` is the console script.
+_COMMAND = _sys.argv[:1] == ["-m"] or _os.path.basename(_sys.argv[0] if _sys.argv else "") == "mogo-train"
 try:
     _require_diffusion_extra()
 except ImportError as _error:
-    # While ``python -m`` imports a module's parent package, ``sys.argv[0]`` is "-m" (see the
-    # Python docs of ``-m``); ``mogo-train`` is the console script.
-    if _sys.argv[:1] == ["-m"] or _os.path.basename(_sys.argv[0] if _sys.argv else "") == "mogo-train":
+    if _COMMAND:
         raise SystemExit(str(_error)) from None
     raise
+if _COMMAND:
+    from mogo_diffusion.quiet import quiet_backend_notice as _quiet_backend_notice
+
+    _quiet_backend_notice()

@@ -674,7 +674,7 @@ def _evaluate_pretrained(config: Config, path: Path, key: dict[str, Any]) -> dic
     """Evaluate the pretrained model under ``config`` and cache its means at ``path`` under ``key``."""
     from mogo_diffusion.train import Trainer
 
-    trainer = Trainer(config)
+    trainer = Trainer.from_config(config)
     started = time.perf_counter()
     means = trainer.evaluate()
     means["seconds"] = time.perf_counter() - started

@@ -27,7 +27,7 @@ them), types, ranges, finite numbers in ``options``, reward weights against the 
 sequential stages and the single strategy's reward against the configured rewards, and a local
 model directory that does not exist. This module imports neither torch nor the rewards: reward
 names and options, weighting names, and what needs the file system or the model are checked by
-:func:`mogo_diffusion.train.check_config`, which the trainer and ``--check`` both run.
+:func:`mogo_diffusion.checks.check_config`, which the trainer and ``--check`` both run.
 """
 
 from __future__ import annotations

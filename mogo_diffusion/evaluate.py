@@ -1,12 +1,8 @@
-"""Multi-reward evaluation: held-out scores, the composite z-score, run plots and sample grids.
+"""Multi-reward evaluation: held-out scores and the composite z-score.
 
 * :func:`reward_zscores`: each reward standardised over the compared runs,
   ``z_rk = (m_rk - mean_r' m_r'k) / std_r' m_r'k``; :func:`composite_zscores` averages them over
   the rewards, so rewards on different scales count alike.
-* :func:`plot_run`: the curves of a run directory's ``metrics.jsonl`` (per-reward means, held-out
-  means, alpha, conflict rate) in one PNG.
-* :func:`save_grid`: ``[N, 3, H, W]`` images in ``[0, 1]`` as one PNG, ``columns`` per row;
-  :func:`save_comparison`: the pretrained and trained images of the same prompts side by side.
 * :func:`evaluate_run` and ``python -m mogo_diffusion.evaluate RUN``: a checkpoint's evaluation EMA
   (or the pretrained model, ``--base``) sampled on an evaluation prompt set from the training run's
   own evaluation noise and scored by every reward of the run and any further ``--metric``, through
@@ -14,6 +10,8 @@
   held-out ``eval/{name}`` for the same weights, prompts and noise.
   :func:`results_table` and ``--combine a.json b.json ...``: the per-metric table of several runs
   (markdown) with each run's composite z-score, of results evaluated on the same prompts and steps.
+
+A run's figures (``curves.png``, ``samples.png``) are :mod:`mogo_diffusion.figures`'.
 """
 
 from __future__ import annotations
@@ -31,11 +29,9 @@ from pathlib import Path
 from typing import TYPE_CHECKING, Any
 
 import numpy as np
-from PIL import Image
 from torch import Tensor
 
 from mogo_diffusion.prompts import PromptSet
-from mogo_diffusion.rewards import to_uint8
 from mogo_diffusion.run_dir import read_metrics
 from mogo_diffusion.tables import markdown_table
 
@@ -48,13 +44,10 @@ __all__ = [
     "evaluated_on",
     "main",
     "parse_metric",
-    "plot_run",
     "prompts_digest",
     "read_metrics",
     "results_table",
     "reward_zscores",
-    "save_comparison",
-    "save_grid",
 ]
 
 
@@ -105,70 +98,6 @@ def composite_zscores(
     z, informative = _standardized(means, reference)
     composite = z[:, informative].mean(axis=1) if informative.any() else np.zeros(len(z))
     return {name: float(value) for name, value in zip(means, composite, strict=True)}
-
-
-def plot_run(run_dir: str | os.PathLike[str], out: str | os.PathLike[str] | None = None) -> Path:
-    """Plot a run's per-reward curves, alpha and conflict rate
-    (:func:`mogo_diffusion.figures.run_curves` of its metrics); returns the PNG (default
-    ``run_dir/curves.png``)."""
-    from mogo_diffusion import figures
-
-    path = Path(out) if out is not None else Path(run_dir) / "curves.png"
-    return figures.save(figures.run_curves(read_metrics(run_dir)), path, dpi=110)
-
-
-def save_grid(images: Tensor, path: str | os.PathLike[str], columns: int = 8, scale: int = 2) -> Path:
-    """Save ``[N, 3, H, W]`` images in ``[0, 1]`` as one PNG grid, each pixel ``scale`` x ``scale``."""
-    if images.ndim != 4 or images.shape[1] != 3 or not len(images):
-        raise ValueError(f"images must be a non-empty [N, 3, H, W] tensor, got {tuple(images.shape)}")
-    pixels = to_uint8(images.clamp(0, 1))
-    n, h, w, _ = pixels.shape
-    rows = math.ceil(n / columns)
-    grid = np.full((rows * (h + 1) + 1, columns * (w + 1) + 1, 3), 255, dtype=np.uint8)
-    for i, image in enumerate(pixels):
-        r, c = divmod(i, columns)
-        grid[1 + r * (h + 1) : 1 + r * (h + 1) + h, 1 + c * (w + 1) : 1 + c * (w + 1) + w] = image
-    picture = Image.fromarray(grid)
-    picture = picture.resize((picture.width * scale, picture.height * scale), Image.NEAREST)
-    path = Path(path)
-    picture.save(path)
-    return path
-
-
-def save_comparison(
-    base: Tensor, trained: Tensor, prompts: Sequence[str], path: str | os.PathLike[str], columns: int = 4
-) -> Path:
-    """Save the pretrained and the trained model's images of the same prompts and noise side by
-    side, each pair under its prompt, as one PNG. ``base`` and ``trained``: ``[N, 3, H, W]`` in
-    ``[0, 1]``, one image per prompt."""
-    if base.shape != trained.shape or base.ndim != 4 or len(base) != len(prompts) or not len(prompts):
-        raise ValueError(
-            f"base {tuple(base.shape)} and trained {tuple(trained.shape)} must be [N, 3, H, W] for the "
-            f"{len(prompts)} prompts"
-        )
-    import textwrap
-
-    import matplotlib
-
-    matplotlib.use("Agg")
-    import matplotlib.pyplot as plt
-
-    rows = math.ceil(len(prompts) / columns)
-    figure, axes = plt.subplots(rows, columns, figsize=(2.3 * columns, 1.75 * rows), squeeze=False)
-    for axis in axes.flat:
-        axis.axis("off")
-    for axis, before, after, prompt in zip(
-        axes.flat, to_uint8(base), to_uint8(trained), prompts, strict=False
-    ):
-        gap = np.full((before.shape[0], 2, 3), 255, dtype=np.uint8)
-        axis.imshow(np.concatenate([before, gap, after], axis=1), interpolation="nearest")
-        axis.set_title("\n".join(textwrap.wrap(prompt, 34)[:3]), fontsize=5.5)
-    figure.suptitle("pretrained (left) and trained (right), same prompt and noise", fontsize=8)
-    figure.tight_layout()
-    path = Path(path)
-    figure.savefig(path, dpi=150)
-    plt.close(figure)
-    return path
 
 
 # ---- evaluating a run: python -m mogo_diffusion.evaluate ----------------------------------------
@@ -341,7 +270,7 @@ def evaluate_run(
     scored = [spec.name for spec in config.rewards]
     if twice := [reward.name for reward in extra if reward.name in scored]:
         raise ValueError(f"metric {twice[0]!r} is one of the run's rewards, which are scored already")
-    trainer = Trainer(config)
+    trainer = Trainer.from_config(config)
     if checkpoint is not None and not base:
         trainer.resume(checkpoint)
     eval_prompts = trainer.eval_prompts

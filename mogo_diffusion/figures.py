@@ -1,7 +1,8 @@
-"""The figures of every comparison driver (``compare``, ``study``), as matplotlib figures.
+"""The figures of a run and of every comparison driver (``compare``, ``study``).
 
-Each function returns a :class:`~matplotlib.figure.Figure` whose artists carry their data and an
-arm's name as their label (what the tests read); :func:`save` writes one as a PNG and closes it.
+Each figure function returns a :class:`~matplotlib.figure.Figure` whose artists carry their data
+and an arm's name as their label (what the tests read); :func:`save` writes one as a PNG and
+closes it.
 
 * :func:`front`: every arm's point in normalised gains (:func:`~mogo_diffusion.analysis.judge`),
   one panel per pair of rewards, the weighted-sum front in gray and the pretrained model at 0.
@@ -10,7 +11,11 @@ arm's name as their label (what the tests read); :func:`save` writes one as a PN
 * :func:`curves`: each reward's held-out mean against the images trained on and the CPU minutes
   of training, per arm, averaged over seeds (each seed thin).
 * :func:`alphas`: the weights of each harmonized arm over its epochs.
-* :func:`run_curves`: one run's training and held-out rewards, weights and conflict rate.
+* :func:`run_curves`: one run's training and held-out rewards, weights and conflict rate;
+  :func:`plot_run` writes it from a run directory's ``metrics.jsonl`` (``curves.png``).
+* :func:`save_comparison`: the pretrained and trained model's images of the same prompts side by
+  side (``samples.png``), of the rows :func:`first_rows` picks; :func:`save_grid`: images as one
+  PNG grid.
 """
 
 from __future__ import annotations
@@ -18,12 +23,19 @@ from __future__ import annotations
 import io
 import itertools
 import math
+import os
 import statistics
+import textwrap
 from collections.abc import Mapping, Sequence
 from pathlib import Path
 from typing import TYPE_CHECKING, Any
 
+import numpy as np
 from matplotlib.figure import Figure  # the class only: no backend is chosen by importing it
+from torch import Tensor
+
+from mogo_diffusion.rewards import to_uint8
+from mogo_diffusion.run_dir import read_metrics
 
 if TYPE_CHECKING:
     from types import ModuleType
@@ -33,11 +45,15 @@ __all__ = [
     "RUN_PANELS",
     "alphas",
     "curves",
+    "first_rows",
     "front",
     "intervals",
     "learning_curve",
+    "plot_run",
     "run_curves",
     "save",
+    "save_comparison",
+    "save_grid",
 ]
 
 CURVE_AXES = (("images", "images trained on"), ("minutes", "CPU minutes of training (one thread)"))
@@ -207,25 +223,100 @@ RUN_PANELS = (
 )
 """The panels of :func:`run_curves`: the metrics each draws (a name or a prefix) and its title."""
 
+_EPOCHS_TRAINED = {"reward/": 0, "eval/": 1}
+"""The epochs trained before what a record of epoch ``e`` measures, less ``e``: its training
+rewards score the samples of the model after ``e`` epochs, its evaluation the model after
+``e + 1`` (the pretrained model's evaluation is the record of epoch -1)."""
+
 
 def run_curves(records: Sequence[Mapping[str, Any]]) -> Figure:
     """One run's metrics ``records`` (one per epoch), one panel per kind of :data:`RUN_PANELS` that
     the run logged, side by side: each metric of the kind against the epochs, a line labelled
-    with its name (the prefix removed)."""
+    with its name (the prefix removed). The rewards are drawn against the epochs trained before
+    the model they score, so the held-out curve starts at the pretrained model, at 0."""
     plt = _pyplot()
     present = [
         (key, title) for key, title in RUN_PANELS if any(k.startswith(key) for r in records for k in r)
     ]
     figure, axes = plt.subplots(1, len(present), figsize=(4.2 * len(present), 3.4), squeeze=False)
     for axis, (key, title) in zip(axes[0], present, strict=True):
+        offset = _EPOCHS_TRAINED.get(key)
         series = sorted({k for r in records for k in r if k.startswith(key)})
         for name in series:
-            points = [(r["epoch"], r[name]) for r in records if name in r and r[name] is not None]
+            points = [(r["epoch"] + (offset or 0), r[name]) for r in records if r.get(name) is not None]
             if points:
                 axis.plot(*zip(*points, strict=True), label=name.removeprefix(key) or name, marker=".")
         axis.set_title(title, fontsize=9)
-        axis.set_xlabel("epoch")
+        axis.set_xlabel("epoch" if offset is None else "epochs trained")
         if len(series) > 1:
             axis.legend(fontsize=7)
     figure.tight_layout()
     return figure
+
+
+def plot_run(run_dir: str | os.PathLike[str], out: str | os.PathLike[str] | None = None) -> Path:
+    """Plot a run's per-reward curves, alpha and conflict rate (:func:`run_curves` of its
+    metrics, the pretrained model's evaluation included); returns the PNG (default
+    ``run_dir/curves.png``)."""
+    path = Path(out) if out is not None else Path(run_dir) / "curves.png"
+    return save(run_curves(read_metrics(run_dir, pretrained=True)), path, dpi=110)
+
+
+def first_rows(prompts: Sequence[str], count: int) -> list[int]:
+    """The first row of each of the first ``count`` distinct prompts of ``prompts``, in order.
+
+    >>> first_rows(["a", "a", "b", "c", "b"], 2)
+    [0, 2]
+    """
+    first = {p: i for i, p in reversed(list(enumerate(prompts)))}
+    return sorted(first.values())[:count]
+
+
+def save_comparison(
+    base: Tensor, trained: Tensor, prompts: Sequence[str], path: str | os.PathLike[str], columns: int = 4
+) -> Path:
+    """Save the pretrained and the trained model's images of the same prompts and noise side by
+    side, each pair under its prompt, as one PNG. ``base`` and ``trained``: ``[N, 3, H, W]`` in
+    ``[0, 1]``, one image per prompt."""
+    if base.shape != trained.shape or base.ndim != 4 or len(base) != len(prompts) or not len(prompts):
+        raise ValueError(
+            f"base {tuple(base.shape)} and trained {tuple(trained.shape)} must be [N, 3, H, W] for the "
+            f"{len(prompts)} prompts"
+        )
+    plt = _pyplot()
+    rows = math.ceil(len(prompts) / columns)
+    figure, axes = plt.subplots(rows, columns, figsize=(2.3 * columns, 1.75 * rows), squeeze=False)
+    for axis in axes.flat:
+        axis.axis("off")
+    for axis, before, after, prompt in zip(
+        axes.flat, to_uint8(base), to_uint8(trained), prompts, strict=False
+    ):
+        gap = np.full((before.shape[0], 2, 3), 255, dtype=np.uint8)
+        axis.imshow(np.concatenate([before, gap, after], axis=1), interpolation="nearest")
+        axis.set_title("\n".join(textwrap.wrap(prompt, 34)[:3]), fontsize=5.5)
+    figure.suptitle("pretrained (left) and trained (right), same prompt and noise", fontsize=8)
+    figure.tight_layout()
+    path = Path(path)
+    figure.savefig(path, dpi=150)
+    plt.close(figure)
+    return path
+
+
+def save_grid(images: Tensor, path: str | os.PathLike[str], columns: int = 8, scale: int = 2) -> Path:
+    """Save ``[N, 3, H, W]`` images in ``[0, 1]`` as one PNG grid, each pixel ``scale`` x ``scale``."""
+    from PIL import Image
+
+    if images.ndim != 4 or images.shape[1] != 3 or not len(images):
+        raise ValueError(f"images must be a non-empty [N, 3, H, W] tensor, got {tuple(images.shape)}")
+    pixels = to_uint8(images.clamp(0, 1))
+    n, h, w, _ = pixels.shape
+    rows = math.ceil(n / columns)
+    grid = np.full((rows * (h + 1) + 1, columns * (w + 1) + 1, 3), 255, dtype=np.uint8)
+    for i, image in enumerate(pixels):
+        r, c = divmod(i, columns)
+        grid[1 + r * (h + 1) : 1 + r * (h + 1) + h, 1 + c * (w + 1) : 1 + c * (w + 1) + w] = image
+    picture = Image.fromarray(grid)
+    picture = picture.resize((picture.width * scale, picture.height * scale), Image.NEAREST)
+    path = Path(path)
+    picture.save(path)
+    return path

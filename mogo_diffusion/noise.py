@@ -252,7 +252,7 @@ def main(argv: Sequence[str] | None = None) -> dict[str, Any]:
     out = args.out or Path("runs/noise-quick/shapes_noise" if args.quick else "docs/_generated/shapes_noise")
     torch.set_num_threads(1)
     started = time.perf_counter()
-    trainer = Trainer(noise_config(REWARDS, quick=args.quick, out="runs/noise"))
+    trainer = Trainer.from_config(noise_config(REWARDS, quick=args.quick, out="runs/noise"))
     results = measure(trainer, args.batches, REWARD_SETS)
     sampling, train = trainer.config.sampling, trainer.config.train
     results.update(

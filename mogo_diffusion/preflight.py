@@ -1,6 +1,6 @@
 """``python -m mogo_diffusion.train --config X --check``: what a run needs, checked offline.
 
-:func:`preflight` validates the config (:func:`mogo_diffusion.train.check_config`), looks up every
+:func:`preflight` validates the config (:func:`mogo_diffusion.checks.check_config`), looks up every
 model it names without downloading anything (local directories and files, the ``huggingface_hub``
 cache), builds the transformer from its config on the ``meta`` device (no memory) to count its
 parameters and the LoRA adapter's, and estimates the memory of one process. Every problem is one line
@@ -471,7 +471,7 @@ _LABELS = {
 
 def _sizes(config: Config, folder: Path | None, report: Report) -> None:
     from mogo_diffusion import models
-    from mogo_diffusion.train import check_model
+    from mogo_diffusion.checks import check_model
 
     transformer_config = _read_config(folder, "transformer")
     origin = f"{str(folder)!r}" if transformer_config else None
@@ -544,7 +544,7 @@ def preflight(config: Config) -> Report:
     Returns:
         A :class:`Report`; ``report.problems`` is empty when the run can start.
     """
-    from mogo_diffusion.train import check_config
+    from mogo_diffusion.checks import check_config
 
     report = Report()
     try:

@@ -14,7 +14,9 @@ Beside ``config.yaml``, ``checkpoints/``, ``samples.png`` and ``curves.png``, a 
   (Windows), no claim is taken and :func:`claim` warns so: run one process per directory there.
 * ``metrics.jsonl``, one JSON record per logged epoch, in increasing epochs: a run resumed at
   epoch ``e`` first keeps the records of the epochs before ``e`` only, so no epoch is logged
-  twice, and :func:`read_metrics` drops a last line that a kill cut off, with a warning.
+  twice, and :func:`read_metrics` drops a last line that a kill cut off, with a warning. The
+  record of epoch ``e`` holds what epoch ``e`` measured and the evaluation after it; a fresh run
+  first logs the pretrained model's evaluation as epoch :data:`PRETRAINED_EPOCH`.
 * ``finished.json``, the marker (:func:`mark_finished`), written last and atomically, after the
   final checkpoint and the figures: the fingerprint, the epochs trained, and the final
   checkpoint's name and digest. A run without it is unfinished, however far its metrics go.
@@ -66,6 +68,7 @@ __all__ = [
     "LOCK",
     "METRICS",
     "PACKED_FORMAT",
+    "PRETRAINED_EPOCH",
     "RECORD",
     "RESUME_MAY_CHANGE",
     "RunDirError",
@@ -96,6 +99,9 @@ LOCK = "run.lock"
 """The file a training process holds its claim on (its pid inside, for the messages of others)."""
 METRICS = "metrics.jsonl"
 """One JSON record per logged epoch."""
+PRETRAINED_EPOCH = -1
+"""The epoch of the metrics record of the pretrained model's evaluation, logged before epoch 0's
+record (which holds the evaluation after epoch 0's training)."""
 FINISHED = "finished.json"
 """The marker of a finished run, written last."""
 _FORMAT = "mogo-run/1"
@@ -382,8 +388,11 @@ def append_metrics(directory: str | os.PathLike[str], record: Mapping[str, Any])
         file.write(json.dumps(record) + "\n")
 
 
-def read_metrics(directory: str | os.PathLike[str]) -> list[dict[str, Any]]:
-    """The records of ``directory/metrics.jsonl``, one per logged epoch, in increasing epochs.
+def read_metrics(directory: str | os.PathLike[str], *, pretrained: bool = False) -> list[dict[str, Any]]:
+    """The records of ``directory/metrics.jsonl``, one per logged epoch, in increasing epochs; with
+    ``pretrained``, the pretrained model's evaluation (the record of epoch
+    :data:`~mogo_diffusion.run_dir.PRETRAINED_EPOCH`) first, where the run logged one. Without,
+    the epochs' alone: what comparisons read.
 
     A last line that is not a whole record (the run was killed while writing it) is left out with
     a warning. A record of an epoch at or before its predecessor's (a run resumed before runs kept
@@ -426,7 +435,7 @@ def read_metrics(directory: str | os.PathLike[str]) -> list[dict[str, Any]]:
             "version): the last attempt of each is read",
             stacklevel=2,
         )
-    return records
+    return records if pretrained else [record for record in records if record["epoch"] != PRETRAINED_EPOCH]
 
 
 def _keep_metrics_before(directory: Path, epoch: int) -> None:
@@ -434,7 +443,7 @@ def _keep_metrics_before(directory: Path, epoch: int) -> None:
     path = directory / METRICS
     if not path.is_file():
         return
-    kept = [record for record in read_metrics(directory) if record["epoch"] < epoch]
+    kept = [record for record in read_metrics(directory, pretrained=True) if record["epoch"] < epoch]
     partial = path.with_name(f"{path.name}.partial")
     partial.write_text("".join(json.dumps(record) + "\n" for record in kept))
     os.replace(partial, path)

@@ -43,6 +43,7 @@ def assert_matches_one_process(
         torch.testing.assert_close(ours, theirs, rtol=0, atol=1e-6)
 
 
+@pytest.mark.spawns
 @pytest.mark.parametrize("every", [1, 3])
 @pytest.mark.parametrize("layout", ["ddp", "unwrapped"])
 def test_two_ranks_on_half_batches_match_one_process_on_the_full_batch(torchrun, layout, every):
@@ -50,6 +51,7 @@ def test_two_ranks_on_half_batches_match_one_process_on_the_full_batch(torchrun,
         assert_matches_one_process(rank[f"{layout}_every{every}"], every)
 
 
+@pytest.mark.spawns
 @pytest.mark.parametrize("every", [1, 3])
 @pytest.mark.parametrize("layout", ["ddp", "unwrapped"])
 def test_clipping_between_harmonize_and_step_sees_the_averaged_gradients(torchrun, layout, every):
@@ -57,6 +59,7 @@ def test_clipping_between_harmonize_and_step_sees_the_averaged_gradients(torchru
         assert_matches_one_process(rank[f"{layout}_clip_every{every}"], every, worker.CLIP)
 
 
+@pytest.mark.spawns
 @pytest.mark.parametrize("every", [1, 3])
 @pytest.mark.parametrize("layout", ["ddp", "unwrapped"])
 def test_cross_fitted_halves_averaged_over_two_ranks_match_one_process(torchrun, layout, every):
@@ -64,6 +67,7 @@ def test_cross_fitted_halves_averaged_over_two_ranks_match_one_process(torchrun,
         assert_matches_one_process(rank[f"{layout}_cross_fitted_every{every}"], every, gram="cross_fitted")
 
 
+@pytest.mark.spawns
 @pytest.mark.parametrize("every", [1, 3])
 def test_accelerate_launch_matches_one_process(accelerate_launch, every):
     for rank in accelerate_launch:
@@ -79,6 +83,7 @@ def same_finite_steps(first: dict, second: dict) -> None:
         assert bool(torch.isfinite(a).all())
 
 
+@pytest.mark.spawns
 @pytest.mark.parametrize("nan_at", [1, 2], ids=["amortized step", "harmonization step"])
 @pytest.mark.parametrize("policy", ["raise", "skip", "drop"])
 def test_a_nan_on_one_rank_leads_both_ranks_to_the_same_outcome(torchrun, policy, nan_at):
@@ -93,6 +98,7 @@ def test_a_nan_on_one_rank_leads_both_ranks_to_the_same_outcome(torchrun, policy
     assert changed == (policy == "drop")  # "skip" leaves the parameters as they were
 
 
+@pytest.mark.spawns
 @pytest.mark.parametrize("nan_at", [1, 2], ids=["amortized step", "harmonization step"])
 def test_a_nan_that_spread_into_every_gradient_skips_the_step_on_both_ranks(torchrun, nan_at):
     first, second = (rank[f"nan_spread_{nan_at}"] for rank in torchrun)
@@ -100,6 +106,7 @@ def test_a_nan_that_spread_into_every_gradient_skips_the_step_on_both_ranks(torc
     assert torch.equal(first["params"][nan_at], first["params"][nan_at - 1])
 
 
+@pytest.mark.spawns
 @pytest.mark.parametrize("layout", ["ddp", "unwrapped"])
 @pytest.mark.parametrize("policy", ["raise", "skip", "drop"])
 def test_a_nan_gradient_on_one_rank_between_harmonizations_stops_both_ranks(torchrun, policy, layout):
@@ -113,6 +120,7 @@ def test_a_nan_gradient_on_one_rank_between_harmonizations_stops_both_ranks(torc
     assert torch.equal(first["params"][1], first["params"][0])  # skipped on both
 
 
+@pytest.mark.spawns
 def test_a_parameter_no_rank_uses_keeps_no_gradient_and_a_partly_used_one_the_mean(torchrun):
     first, second = (rank["unused_parameters"] for rank in torchrun)
     assert first["idle"] is None
@@ -122,11 +130,13 @@ def test_a_parameter_no_rank_uses_keeps_no_gradient_and_a_partly_used_one_the_me
     torch.testing.assert_close(first["first"], second["first"], rtol=0, atol=0)
 
 
+@pytest.mark.spawns
 def test_sharded_gramian_equals_the_unsharded_one(torchrun):
     for rank in torchrun:
         torch.testing.assert_close(rank["sharded_gram"], rank["full_gram"], rtol=0, atol=1e-12)
 
 
+@pytest.mark.spawns
 def test_tensor_parallel_harmonization_matches_the_unsharded_model(torchrun):
     reference = worker.train_tensor_parallel()
     shards = [rank["tensor_parallel"] for rank in torchrun]
@@ -138,6 +148,7 @@ def test_tensor_parallel_harmonization_matches_the_unsharded_model(torchrun):
     torch.testing.assert_close(torch.cat([rank["w"] for rank in shards]), reference["w"], rtol=0, atol=1e-12)
 
 
+@pytest.mark.spawns
 def test_dtensor_parameters_harmonize_shard_wise_like_the_unsharded_model(torchrun):
     reference = worker.train_tensor_parallel()
     for rank in torchrun:

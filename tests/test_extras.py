@@ -92,12 +92,14 @@ DIFFUSION = (
 )
 
 
+@pytest.mark.spawns
 def test_the_training_command_after_pip_install_mogo_prints_one_line(tmp_path):
     result = run_bare(tmp_path, "-m", "mogo_diffusion.train", "--check")
     assert result.returncode == 1
     assert result.stderr == DIFFUSION + "\n"
 
 
+@pytest.mark.spawns
 def test_the_console_script_after_pip_install_mogo_prints_one_line(tmp_path):
     """``mogo-train`` as pip writes it: a script of that name that imports and calls ``main``."""
     script = tmp_path / "mogo-train"
@@ -107,6 +109,7 @@ def test_the_console_script_after_pip_install_mogo_prints_one_line(tmp_path):
     assert result.stderr == DIFFUSION + "\n"
 
 
+@pytest.mark.spawns
 def test_importing_mogo_diffusion_after_pip_install_mogo_raises_an_import_error(tmp_path):
     code = (
         "import mogo\n"  # mogo itself needs only torch, numpy and scipy
@@ -118,6 +121,7 @@ def test_importing_mogo_diffusion_after_pip_install_mogo_raises_an_import_error(
     assert result.stdout == f"MissingExtraError diffusers {DIFFUSION}\n"
 
 
+@pytest.mark.spawns
 def test_qpth_and_torchjd_after_pip_install_mogo_name_their_install_commands(tmp_path):
     code = (
         "import torch, mogo\n"
@@ -134,11 +138,12 @@ def test_qpth_and_torchjd_after_pip_install_mogo_name_their_install_commands(tmp
     ]
 
 
+@pytest.mark.spawns
 def test_the_ocr_reward_and_the_tensorboard_tracker_name_their_extras(tmp_path):
     code = (
         "from mogo_diffusion.rewards import make_reward\n"
-        "from mogo_diffusion.train import _trackers\n"
-        "for build in (lambda: make_reward('ocr'), lambda: _trackers(['tensorboard'])):\n"
+        "from mogo_diffusion.checks import check_trackers\n"
+        "for build in (lambda: make_reward('ocr'), lambda: check_trackers(['tensorboard'])):\n"
         "    try:\n        build()\n"
         "    except (ImportError, ValueError) as error:\n        print(error)\n"
     )

@@ -215,6 +215,7 @@ for job, spec in enumerate(sys.argv[3:]):
 """
 
 
+@pytest.mark.spawns
 @pytest.mark.skipif(not hasattr(os, "fork"), reason="needs os.fork")
 def test_kill_9_at_every_write_boundary_loses_no_complete_checkpoint(tmp_path):
     """Over steps 1-3: a new step 4, and a re-save of step 2 with new content, each killed by

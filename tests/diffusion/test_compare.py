@@ -171,6 +171,7 @@ def files(directory: Path) -> dict[Path, bytes]:
     return {path: path.read_bytes() for path in directory.rglob("*") if path.is_file()}
 
 
+@pytest.mark.spawns
 def test_a_quick_comparison_runs_on_a_users_own_model_and_rewards(quick):
     _, out, results = quick
     assert results["rewards"] == ["jpeg_compressibility", "sharpness"]
@@ -205,6 +206,7 @@ def test_a_quick_comparison_runs_on_a_users_own_model_and_rewards(quick):
     assert not any(key.startswith(("reward/", "diagnostic/")) for key in kept)
 
 
+@pytest.mark.spawns
 def test_the_front_figure_places_each_arm_at_its_gains(quick):
     _, _, results = quick
     (axis,) = figures.front(results["judged"]).axes
@@ -214,6 +216,7 @@ def test_the_front_figure_places_each_arm_at_its_gains(quick):
         assert collection.get_offsets().tolist() == [pytest.approx(expected)]
 
 
+@pytest.mark.spawns
 def test_a_finished_comparison_is_reused_and_remade_from_its_compact_runs(quick, tmp_path):
     argv, out = copy_out(quick, tmp_path)
     trained = files(out / "runs")
@@ -230,6 +233,7 @@ def test_a_finished_comparison_is_reused_and_remade_from_its_compact_runs(quick,
     assert (out / "results.md").read_text() == tables["results.md"]
 
 
+@pytest.mark.spawns
 def test_a_final_evaluation_judges_each_run_and_the_pretrained_model_on_its_prompts(quick, tmp_path):
     argv, out = copy_out(quick, tmp_path)
     results = compare.main([*argv, "--seed", "1", "--final", "shapes:heldout:4"])  # trained: evaluated only
@@ -252,6 +256,7 @@ def test_a_final_evaluation_judges_each_run_and_the_pretrained_model_on_its_prom
     assert packed["marble/seed0"]["final"] is None  # not asked for a final evaluation
 
 
+@pytest.mark.spawns
 def test_a_compact_run_of_another_config_or_without_a_record_is_refused(quick, tmp_path, capsys):
     argv, out = copy_out(quick, tmp_path)
     for group in ("weighted_sum", "marble"):
@@ -314,6 +319,7 @@ def test_the_front_and_the_specialists_are_arms_of_their_own(user_config, tmp_pa
 # ---- runs of another config, damaged files, final evaluations (issue 39) ---------------------------
 
 
+@pytest.mark.spawns
 def test_a_comparison_of_another_config_refuses_the_runs_it_finds(quick, tmp_path, capsys):
     """Issue 39 item 1: `--quick`, then `--epochs 2 --seeds 1` into the same --out returned the quick
     runs' table in seconds, labelled with the second command: a run counted as finished when its
@@ -334,6 +340,7 @@ def test_a_comparison_of_another_config_refuses_the_runs_it_finds(quick, tmp_pat
     assert files(out) == before
 
 
+@pytest.mark.spawns
 def test_a_run_of_other_epochs_is_refused_not_deleted(quick, tmp_path, user_config):
     """Issue 39 item 2: a finished run whose last epoch was not the one asked for (`--epochs 60`
     after `--epochs 120`) was deleted, checkpoints and all, and trained again. It is refused."""
@@ -355,6 +362,7 @@ def load(path: Path) -> Config:
     return load_config(path)
 
 
+@pytest.mark.spawns
 def test_damaged_json_does_not_stop_a_comparison(quick, tmp_path, user_config):
     """Issue 39 item 6: a metrics line cut off by a kill, or a damaged base/eval.json, stopped the
     comparison with a bare JSONDecodeError on every restart. The unfinished run starts over (it has
@@ -381,6 +389,7 @@ def test_damaged_json_does_not_stop_a_comparison(quick, tmp_path, user_config):
     assert compare.done(config)
 
 
+@pytest.mark.spawns
 def test_final_and_base_evaluations_are_reused_for_their_own_prompts_only(quick, tmp_path, user_config):
     """Issue 39 items 1 and 6: any final_eval.json counted as done, and the base cache was returned
     whatever the prompts. Each is reused for its own prompts and weights only: another request is

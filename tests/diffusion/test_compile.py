@@ -89,15 +89,14 @@ def sampled(pipeline, batch: int, name: str, dtype: torch.dtype = torch.float32)
 
 
 @pytest.fixture(scope="module")
-def run(tmp_path_factory):
+def run(tmp_path_factory, tiny_dir):
     """A compiled MARBLE run after two epochs and an evaluation, which of its steps harmonized,
     and an uncompiled copy of its pipeline (for the exact results): every graph a run needs is
     compiled by then."""
     tmp = tmp_path_factory.mktemp("compiled")
-    models.tiny_sd3("smoke").save_pretrained(tmp / "tiny")
     (tmp / "eval.txt").write_text("a red circle\na blue square\n")
     config = Config.from_dict({
-        "model": {"pretrained": str(tmp / "tiny"), "dtype": "float32", "lora_rank": 4, "lora_alpha": 8,
+        "model": {"pretrained": str(tiny_dir), "dtype": "float32", "lora_rank": 4, "lora_alpha": 8,
                   "max_sequence_length": 16},
         "sampling": {"num_steps": 2, "resolution": 32, "group_size": 2, "prompts_per_epoch": 2,
                      "batch_size": 4, "solver": "euler", "eval_prompts": str(tmp / "eval.txt")},
@@ -107,10 +106,10 @@ def run(tmp_path_factory):
         "train": {"epochs": 4, "batch_size": 2, "steps_per_epoch": 1,  # a step: two micro-batches
                   "lr": 1e-2, "mixed_precision": "no", "compile": "yes", "out_dir": str(tmp / "run")},
     })  # fmt: skip
-    pipeline = models.load_pipeline(tmp / "tiny", torch_dtype=torch.float32)
+    pipeline = models.load_pipeline(tiny_dir, torch_dtype=torch.float32)
     uncompiled = copy.deepcopy(pipeline)
     models.add_lora(uncompiled.transformer, 4, 8, targets=config.model.lora_targets)
-    trainer = Trainer(config, pipeline=pipeline)
+    trainer = Trainer.from_config(config, pipeline=pipeline)
     solves = []
     for epoch in range(2):  # step 0 harmonizes on its first micro-batch, step 1 does not
         solves.append(trainer.strategy.traverses_twice())

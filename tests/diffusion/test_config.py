@@ -18,7 +18,6 @@ from hypothesis import strategies as st
 
 import mogo_diffusion
 from mogo_diffusion import config as config_module
-from mogo_diffusion import models
 from mogo_diffusion.config import (
     MAX_DEPTH,
     Config,
@@ -350,6 +349,7 @@ def test_strategies_are_a_union_tagged_by_name(tmp_path):
     assert Config.from_dict(other.to_dict()) == other
 
 
+@pytest.mark.spawns
 def test_parsing_a_config_imports_neither_torch_nor_the_rewards():
     code = (
         "import sys; from mogo_diffusion.config import load_config; "
@@ -501,13 +501,6 @@ def tiny_run(tiny_dir: Path, out: Path, strategy: dict) -> Config:
     )  # fmt: skip
 
 
-@pytest.fixture(scope="module")
-def tiny_dir(tmp_path_factory):
-    path = tmp_path_factory.mktemp("tiny-sd3")
-    models.tiny_sd3("smoke").save_pretrained(path)
-    return path
-
-
 def test_every_config_field_is_read_by_a_run_or_where_the_list_says(tiny_dir, tmp_path, reads):
     """Walks the schema: a real tiny run of each kind of strategy record (construct, one epoch,
     evaluate, save) reads every field but those of ``READ_ELSEWHERE``, which are read there."""
@@ -516,7 +509,7 @@ def test_every_config_field_is_read_by_a_run_or_where_the_list_says(tiny_dir, tm
 
     schema = {(cls.__name__, f.name) for cls in SCHEMA for f in dataclasses.fields(cls)}
     for name, strategy in STRATEGY_RUNS.items():
-        Trainer(tiny_run(tiny_dir, tmp_path / name, strategy)).train()
+        Trainer.from_config(tiny_run(tiny_dir, tmp_path / name, strategy)).train()
     assert (tmp_path / "marble" / "checkpoints" / "step-000001").is_dir()  # the run saved
     assert schema - reads == READ_ELSEWHERE
     reads.clear()

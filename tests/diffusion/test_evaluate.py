@@ -1,4 +1,4 @@
-"""Evaluation helpers: NaN-aware means, the composite z-score, run plots and sample grids."""
+"""Evaluation helpers: NaN-aware means, the composite z-score; run plots and sample grids (figures)."""
 
 from __future__ import annotations
 
@@ -17,18 +17,15 @@ from hypothesis import given
 from hypothesis import strategies as st
 from PIL import Image
 
-from mogo_diffusion import figures, models
+from mogo_diffusion import figures
 from mogo_diffusion.config import Config
 from mogo_diffusion.evaluate import (
     composite_zscores,
     main,
     parse_metric,
-    plot_run,
     read_metrics,
     results_table,
     reward_zscores,
-    save_comparison,
-    save_grid,
 )
 from mogo_diffusion.train import Trainer
 from tests.diffusion.test_imagereward import tiny_imagereward
@@ -89,7 +86,7 @@ def test_plot_run_draws_every_kind_of_curve(tmp_path):
               for line in axis.get_lines()}  # fmt: skip
     assert list(curves["training", "color"]) == [0.1 * e for e in range(4)]
     assert list(curves["alpha", "shape"]) == [0.7] * 4
-    assert plot_run(tmp_path) == tmp_path / "curves.png"
+    assert figures.plot_run(tmp_path) == tmp_path / "curves.png"
     with Image.open(tmp_path / "curves.png") as image:
         assert image.size == (4 * 462, 374)  # four panels of 4.2 x 3.4 inches at 110 dots per inch
     with pytest.raises(FileNotFoundError, match="metrics"):
@@ -130,25 +127,25 @@ def test_epochs_logged_again_are_read_once_the_last_attempt_winning(tmp_path):
 def test_save_grid_places_each_image(tmp_path):
     images = torch.zeros(5, 3, 4, 4)
     images[3, 0] = 1.0  # the fourth image is red
-    path = save_grid(images, tmp_path / "grid.png", columns=2, scale=1)
+    path = figures.save_grid(images, tmp_path / "grid.png", columns=2, scale=1)
     grid = np.asarray(Image.open(path))
     assert grid.shape == (3 * 5 + 1, 2 * 5 + 1, 3)
     assert grid[1 + 5 + 1, 1 + 5 + 1].tolist() == [255, 0, 0]  # row 1, column 1
     assert grid[1, 1].tolist() == [0, 0, 0]
     with pytest.raises(ValueError, match=r"\[N, 3, H, W\]"):
-        save_grid(torch.zeros(3, 4, 4), tmp_path / "bad.png")
+        figures.save_grid(torch.zeros(3, 4, 4), tmp_path / "bad.png")
 
 
 def test_save_comparison_shows_each_prompt_with_its_two_images(tmp_path):
     base, trained = torch.zeros(5, 3, 8, 8), torch.ones(5, 3, 8, 8)
-    path = save_comparison(
+    path = figures.save_comparison(
         base, trained, [f"prompt {i}" for i in range(5)], tmp_path / "pairs.png", columns=3
     )
     picture = np.asarray(Image.open(path).convert("L"))
     assert picture.min() == 0  # the black base images are drawn
     assert picture.shape[1] > picture.shape[0]  # two rows of three pairs, wider than tall
     with pytest.raises(ValueError, match="must be \\[N, 3, H, W\\] for the 4 prompts"):
-        save_comparison(base, trained, ["a"] * 4, tmp_path / "bad.png")
+        figures.save_comparison(base, trained, ["a"] * 4, tmp_path / "bad.png")
 
 
 # ---- python -m mogo_diffusion.evaluate on tiny runs ---------------------------------------------
@@ -172,14 +169,13 @@ def _run_config(tiny_dir, out, strategy: dict, **train) -> Config:
 
 
 @pytest.fixture(scope="module")
-def runs(tmp_path_factory):
+def runs(tmp_path_factory, tiny_dir):
     """Two tiny runs of two epochs (MARBLE and the weighted sum), evaluated and saved every epoch."""
-    tiny = tmp_path_factory.mktemp("tiny-sd3")
-    models.tiny_sd3("smoke").save_pretrained(tiny)
+    tiny = tiny_dir
     root = tmp_path_factory.mktemp("runs")
     strategies = {"marble": {"name": "marble", "harmonize_every": 1}, "sum": {"name": "weighted_sum"}}
     for name, strategy in strategies.items():
-        Trainer(_run_config(tiny, root / name, strategy)).train()
+        Trainer.from_config(_run_config(tiny, root / name, strategy)).train()
     return tiny, root
 
 
@@ -193,7 +189,7 @@ def test_evaluate_reproduces_each_runs_own_heldout_evaluation_and_combines_them(
     _, root = runs
     results = []
     for run in ("marble", "sum"):
-        logged = read_metrics(root / run)
+        logged = {record["epoch"]: record for record in read_metrics(root / run)}
         for epoch, source in ((1, root / run / "checkpoints" / "step-000001"), (2, root / run)):
             result = _evaluate(capsys, source)  # a run directory: its latest checkpoint
             assert (result["epoch"], result["num_prompts"]) == (epoch, 5)
@@ -223,7 +219,7 @@ def test_evaluate_reproduces_each_runs_own_heldout_evaluation_and_combines_them(
 def test_base_is_the_pretrained_model_from_the_same_noise(runs, capsys, tmp_path):
     tiny, root = runs
     # A checkpoint saved before training: its adapter's B is 0, so it samples as the pretrained model.
-    untrained = Trainer(_run_config(tiny, tmp_path / "untrained", {"name": "weighted_sum"}))
+    untrained = Trainer.from_config(_run_config(tiny, tmp_path / "untrained", {"name": "weighted_sum"}))
     untrained.save()
     tiny_imagereward(tmp_path / "imagereward")
     metrics = ["--metric", "color_match", "--metric", f"imagereward:model={tmp_path / 'imagereward'}"]
@@ -236,6 +232,12 @@ def test_base_is_the_pretrained_model_from_the_same_noise(runs, capsys, tmp_path
     assert (root / "marble" / "eval-base.json").is_file()  # in the run directory
     assert from_checkpoint["metrics"] == {k: base["metrics"][k] for k in from_checkpoint["metrics"]}
     assert base["metrics"] == zero["metrics"]
+    # the run's first record, its evaluation before training (B = 0), is the pretrained model's
+    pretrained = read_metrics(root / "marble", pretrained=True)[0]
+    assert pretrained["epoch"] == -1
+    assert {k.removeprefix("eval/"): v for k, v in pretrained.items() if k.startswith("eval/")} == {
+        k: base["metrics"][k] for k in ("jpeg_compressibility", "sharpness")
+    }
     assert list(base["metrics"]) == ["jpeg_compressibility", "sharpness", "color_match", "imagereward"]
     assert all(math.isfinite(value) for value in base["metrics"].values())
     trained = json.loads((root / "marble" / "eval-step-000002.json").read_text())
@@ -308,6 +310,7 @@ def test_results_table_needs_distinct_names_and_a_common_metric():
         parse_metric("color_match:size")
 
 
+@pytest.mark.spawns
 def test_the_command_has_help():
     done = subprocess.run(
         [sys.executable, "-m", "mogo_diffusion.evaluate", "--help"],

@@ -227,6 +227,7 @@ def test_bpe_merges_follow_frequency_then_spelling():
     assert train_bpe(["hello hello world"], 2) == [("e", "l"), ("el", "l")]
 
 
+@pytest.mark.spawns
 def test_tokenizers_are_deterministic_across_corpus_order_and_processes():
     merges = train_bpe(DEFAULT_CORPUS, 256)
     assert train_bpe(reversed(DEFAULT_CORPUS), 256) == merges

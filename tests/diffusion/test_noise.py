@@ -70,7 +70,7 @@ def test_the_half_gradients_are_the_halves_nft_gradients(tiny_dir, tmp_path):
     data = config(tiny_dir, tmp_path).to_dict()
     data["strategy"] = {"name": "marble", "gram": "cross_fitted"}
     data["nft"]["kl_coef"] = 0.0
-    trainer = Trainer(Config.from_dict(data))
+    trainer = Trainer.from_config(Config.from_dict(data))
     first, second = batch_halves(trainer, 7)
     # the same draws, computed here: the rows' order, the timesteps and the noise of stream "noise"
     batch = trainer.score(trainer.sample(7))

@@ -13,9 +13,10 @@ from diffusers import SD3Transformer2DModel
 from torch import nn
 
 from mogo_diffusion import models
+from mogo_diffusion.checks import check_config
 from mogo_diffusion.config import LORA_TARGETS, Config, ConfigError, HarmonizedConfig, load_config
 from mogo_diffusion.preflight import SD35M, SD35M_TRANSFORMER, _meta_transformer, preflight
-from mogo_diffusion.train import Trainer, check_config, main
+from mogo_diffusion.train import Trainer, main
 
 ROOT = Path(__file__).resolve().parents[2]
 CONFIGS = sorted((ROOT / "configs").glob("sd35m_*.yaml"))
@@ -87,13 +88,6 @@ def test_the_sd35m_transformer_is_counted_on_the_meta_device():
     assert sum(32 * (m.in_features + m.out_features) for m in linears) == L
     assert report.memory.buffers == (5 + 1) * L * 4  # K = 5 gradients and the KL term's, float32
     assert report.memory.merged == 2 * sum(m.in_features * m.out_features for m in linears)  # bfloat16
-
-
-@pytest.fixture(scope="module")
-def tiny_dir(tmp_path_factory):
-    path = tmp_path_factory.mktemp("tiny-sd3")
-    models.tiny_sd3("smoke").save_pretrained(path)
-    return path
 
 
 def tiny_config(tmp_path, pretrained, **sections):
@@ -334,7 +328,7 @@ def test_the_check_and_the_trainer_refuse_alike_before_any_work(tiny_dir, tmp_pa
     assert exit_.value.code != 0
     assert message in printed.out + printed.err
     with pytest.raises(ConfigError, match=re.escape(message)):
-        Trainer(config)
+        Trainer.from_config(config)
     assert not (tmp_path / "run").exists()  # nothing written
 
 
@@ -366,7 +360,7 @@ def test_the_check_and_the_trainer_count_the_same_image_tokens_for_the_marble_co
     assert config.sampling.resolution == 512  # the shipped config's
     report = preflight(config)
     assert report.ok, report.problems
-    trainer = Trainer(config)
+    trainer = Trainer.from_config(config)
     assert trainer.transformer.config.sample_size == 128
     batch = trainer.sample(0)
     side = batch.latents.shape[-1]

@@ -12,7 +12,6 @@ import torch
 from hypothesis import given, settings
 from hypothesis import strategies as st
 
-from mogo_diffusion import models
 from mogo_diffusion.config import Config, ConfigError, PromptSource, load_config
 from mogo_diffusion.prompts import PromptPool, PromptSet, load_prompt_pool, load_prompt_set, ocr_prompts
 from mogo_diffusion.rewards import MultiReward, make_reward
@@ -207,11 +206,10 @@ sampling:
         assert str(error.value).startswith(message)
 
 
-def test_the_trainer_draws_each_epoch_from_the_pool(tmp_path):
+def test_the_trainer_draws_each_epoch_from_the_pool(tmp_path, tiny_dir):
     from mogo_diffusion.train import Trainer
 
-    tiny = tmp_path / "tiny"
-    models.tiny_sd3("smoke").save_pretrained(tiny)
+    tiny = tiny_dir
     config = Config.from_dict(
         {
             "model": {"pretrained": str(tiny), "dtype": "float32", "lora_rank": 2, "lora_alpha": 4,
@@ -223,13 +221,13 @@ def test_the_trainer_draws_each_epoch_from_the_pool(tmp_path):
             "train": {"mixed_precision": "no", "out_dir": str(tmp_path / "run")},
         }
     )  # fmt: skip
-    trainer = Trainer(config)
+    trainer = Trainer.from_config(config)
     batch = trainer.sample(0)
     expected = trainer.prompts.draw(6, trainer.stream("sampling", 0))
     assert batch.prompts == [trainer.prompts.prompts[i] for i in expected.tolist() for _ in range(2)]
     sources = [m["source"] for m in batch.metadata]
     assert (sources.count("ocr:4"), sources.count("geneval:4")) == (8, 4)
     with pytest.raises(ConfigError, match=r"sampling.prompts: entry 1 \('missing.txt'\): prompt file"):
-        Trainer(load_config(None, ["rewards.0.name=sharpness", f"model.pretrained={tiny}",
+        Trainer.from_config(load_config(None, ["rewards.0.name=sharpness", f"model.pretrained={tiny}",
                                    "sampling.resolution=32",
                                    "sampling.prompts=[{source: ocr:2}, {source: missing.txt}]"]))  # fmt: skip

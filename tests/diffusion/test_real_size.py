@@ -64,6 +64,7 @@ def test_the_benchmark_runs_its_phases_on_the_tiny_model(tmp_path):
     assert (tmp_path / "real_size.rst").read_text().count("==========") >= 6  # two tables
 
 
+@pytest.mark.spawns
 @pytest.mark.slow
 @pytest.mark.timeout(1800)
 def test_sd35m_at_its_real_size_trains_resumes_and_exports_on_a_cpu(tmp_path):

@@ -13,12 +13,12 @@ import transformers
 import yaml
 from safetensors.torch import save_file
 
+from mogo_diffusion.checks import check_config
 from mogo_diffusion.config import Config
 from mogo_diffusion.rewards import MultiReward, Reward, available_rewards, make_reward
 from mogo_diffusion.rewards.clip import AestheticPredictor, ClipScore, ImageTransform, PickScore
 from mogo_diffusion.rewards.hps import HPS_FILE, HPSv21, convert_open_clip
 from mogo_diffusion.tokenizers import clip_tokenizer
-from mogo_diffusion.train import check_config
 
 ROOT = Path(__file__).resolve().parents[2]
 CONTEXT, WIDTH, LAYERS, HEADS, PATCH, SIZE, DIM = 16, 32, 2, 2, 8, 32, 16

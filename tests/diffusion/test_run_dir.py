@@ -130,6 +130,19 @@ def test_a_resume_keeps_the_metrics_before_its_epoch_and_drops_the_marker(tmp_pa
         run_dir.start(tmp_path, other, resumed_at=1)
 
 
+def test_the_pretrained_record_is_read_on_request_and_kept_by_a_resume(tmp_path):
+    """The pretrained model's evaluation is logged first, as epoch -1: comparisons, which read the
+    epochs, do not see it; the run's figures and summary ask for it; a resume keeps it."""
+    write_run(tmp_path, epochs=3)
+    text = (tmp_path / "metrics.jsonl").read_text()
+    pretrained = {"epoch": run_dir.PRETRAINED_EPOCH, "eval/sharpness": 0.25}
+    (tmp_path / "metrics.jsonl").write_text(json.dumps(pretrained) + "\n" + text)
+    assert [r["epoch"] for r in run_dir.read_metrics(tmp_path)] == [0, 1, 2]
+    assert run_dir.read_metrics(tmp_path, pretrained=True)[0] == pretrained
+    run_dir.start(tmp_path, CONFIG, resumed_at=1)
+    assert [r["epoch"] for r in run_dir.read_metrics(tmp_path, pretrained=True)] == [-1, 0]
+
+
 def test_the_marker_names_the_final_checkpoints_content(tmp_path):
     write_run(tmp_path)
     final = save_checkpoint(tmp_path / "checkpoints", CONFIG.train.epochs, state(2))

@@ -27,7 +27,7 @@ def specialists(tmp_path_factory):
     runs = []
     for reward in ("jpeg_compressibility", "sharpness"):
         run = root / reward
-        Trainer(_run_config(tiny, run, {"name": "single", "reward": reward}, epochs=1)).train()
+        Trainer.from_config(_run_config(tiny, run, {"name": "single", "reward": reward}, epochs=1)).train()
         runs.append(run)
     return tiny, runs
 
@@ -99,7 +99,7 @@ def test_bad_weights_and_mismatched_specialists_are_named(specialists, tmp_path,
     wider = tmp_path / "wider"
     data = _run_config(tiny, wider, {"name": "single", "reward": "sharpness"}, epochs=1).to_dict()
     data["model"]["lora_rank"] = 8  # the others' is 4
-    Trainer(Config.from_dict(data)).train()
+    Trainer.from_config(Config.from_dict(data)).train()
     with pytest.raises(ValueError, match=r"its config's 'model' differs"):
         write_soup([runs[0], wider], [0.5, 0.5], tmp_path / "c")
     with pytest.raises(SystemExit):

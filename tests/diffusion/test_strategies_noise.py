@@ -19,7 +19,7 @@ EPS32 = torch.finfo(torch.float32).eps
 
 def test_a_cross_fitted_micro_batch_gives_its_halves_losses_and_the_batchs_update(tiny_dir, tmp_path):
     cross = {"name": "marble", "harmonize_every": 1, "alpha_ema": 0.0, "gram": "cross_fitted"}
-    trainer = Trainer(with_strategy(tiny_dir, tmp_path, **cross))
+    trainer = Trainer.from_config(with_strategy(tiny_dir, tmp_path, **cross))
     batch, advantages, index, timesteps, noise = one_step(trainer, steps=1)  # three rows: 1 + 2
     adv = advantages[index]
     losses, _ = trainer.losses(batch, index, adv, timesteps[0], noise[0])
@@ -52,26 +52,30 @@ def test_a_cross_fitted_micro_batch_gives_its_halves_losses_and_the_batchs_updat
 
 def test_the_noise_options_reach_the_optimizer(tiny_dir, tmp_path):
     options = {"gram": "cross_fitted", "grad_ema": 0.5, "smooth_harmonized": True}
-    optimizer = Trainer(with_strategy(tiny_dir, tmp_path, name="upgrad", **options)).optimizer
+    optimizer = Trainer.from_config(with_strategy(tiny_dir, tmp_path, name="upgrad", **options)).optimizer
     assert (optimizer.gram, optimizer.tracker.decay, optimizer.amortizer.smooth_harmonized) == (
         "cross_fitted",
         0.5,
         True,
     )
-    plain = Trainer(with_strategy(tiny_dir, tmp_path / "b", name="marble")).optimizer
+    plain = Trainer.from_config(with_strategy(tiny_dir, tmp_path / "b", name="marble")).optimizer
     assert (plain.gram, plain.tracker.decay, plain.amortizer.smooth_harmonized) == ("same_batch", 0.0, False)
     assert (
         "conflict_rate_cross"
-        not in Trainer(with_strategy(tiny_dir, tmp_path / "c", name="marble")).strategy.metrics()
+        not in Trainer.from_config(with_strategy(tiny_dir, tmp_path / "c", name="marble")).strategy.metrics()
     )
 
 
 def test_the_gated_projection_starts_from_the_rewards_weights_unless_its_options_set_them(tiny_dir, tmp_path):
-    gated = Trainer(with_strategy(tiny_dir, tmp_path, (1.0, 2.0, 1.0), name="gated_projection")).optimizer
+    gated = Trainer.from_config(
+        with_strategy(tiny_dir, tmp_path, (1.0, 2.0, 1.0), name="gated_projection")
+    ).optimizer
     assert gated.weighting.prior.weights.tolist() == [1.0, 2.0, 1.0]
     assert gated.sum_weights.tolist() == [1.0, 2.0, 1.0]  # the diagnostics' baseline too
     options = {"weights": [1.0, 0.0, 0.0], "margin": 3.0}
-    chosen = Trainer(with_strategy(tiny_dir, tmp_path / "b", name="gated_projection", options=options))
+    chosen = Trainer.from_config(
+        with_strategy(tiny_dir, tmp_path / "b", name="gated_projection", options=options)
+    )
     assert chosen.optimizer.weighting.prior.weights.tolist() == [1.0, 0.0, 0.0]
     assert chosen.optimizer.weighting.margin == 3.0
 

@@ -197,7 +197,7 @@ def with_a_masked_reward(advantages: torch.Tensor) -> torch.Tensor:
 
 
 def test_an_amortized_micro_step_is_the_releases_formula(tiny_dir, tmp_path):
-    trainer = Trainer(released_config(tiny_dir, tmp_path))
+    trainer = Trainer.from_config(released_config(tiny_dir, tmp_path))
     schedule = trainer.strategy.schedule
     schedule.blend(torch.tensor([0.5, 0.3, 0.2], dtype=torch.float64))  # a solve of step 0
     schedule.step = 3  # within N steps of it: amortized
@@ -223,7 +223,7 @@ def test_an_amortized_micro_step_is_the_releases_formula(tiny_dir, tmp_path):
 
 
 def test_a_solving_micro_step_is_the_releases_formula_and_blends_alpha(tiny_dir, tmp_path):
-    trainer = Trainer(released_config(tiny_dir, tmp_path))
+    trainer = Trainer.from_config(released_config(tiny_dir, tmp_path))
     batch, advantages, index, timesteps, noise = one_step(trainer)  # step 0: both micro-steps solve
     adv = with_a_masked_reward(advantages[index])
     expected_grad, fresh = 0, []
@@ -264,7 +264,7 @@ def test_a_solving_micro_step_is_the_releases_formula_and_blends_alpha(tiny_dir,
 
 
 def test_the_exact_solver_gives_the_min_norm_point_of_the_unit_gradients(tiny_dir, tmp_path):
-    trainer = Trainer(released_config(tiny_dir, tmp_path, solver="exact"))
+    trainer = Trainer.from_config(released_config(tiny_dir, tmp_path, solver="exact"))
     batch, advantages, index, timesteps, noise = one_step(trainer, steps=1)
     trainer.gradients(batch, [MicroBatch(index, advantages[index], timesteps, noise)])
     alpha = trainer.strategy.schedule.cached
@@ -273,14 +273,14 @@ def test_the_exact_solver_gives_the_min_norm_point_of_the_unit_gradients(tiny_di
 
 
 def test_the_schedule_resumes_from_the_optimizer_state_and_a_bad_one_changes_nothing(tiny_dir, tmp_path):
-    trainer = Trainer(released_config(tiny_dir, tmp_path, harmonize_every=3))
+    trainer = Trainer.from_config(released_config(tiny_dir, tmp_path, harmonize_every=3))
     trainer.train_epoch(0)
     trainer.train_epoch(1)
     saved = trainer.optimizer.state_dict()
     assert saved[STATE_KEY] == trainer.strategy.schedule.state_dict()
     assert saved[STATE_KEY]["step"] == 2
     assert saved[STATE_KEY]["solves"] == 2
-    other = Trainer(released_config(tiny_dir, tmp_path / "b", harmonize_every=3))
+    other = Trainer.from_config(released_config(tiny_dir, tmp_path / "b", harmonize_every=3))
     other.optimizer.load_state_dict(saved)
     assert other.strategy.schedule.state_dict() == saved[STATE_KEY]
     bad = {**saved, STATE_KEY: {**saved[STATE_KEY], "cached": [1.0]}}
@@ -292,7 +292,7 @@ def test_the_schedule_resumes_from_the_optimizer_state_and_a_bad_one_changes_not
 
 
 def test_equal_alpha_never_solves_and_trains_on_the_mean_advantage(tiny_dir, tmp_path):
-    trainer = Trainer(released_config(tiny_dir, tmp_path, alpha="equal"))
+    trainer = Trainer.from_config(released_config(tiny_dir, tmp_path, alpha="equal"))
     trainer.train_epoch(0)
     metrics = trainer.strategy.metrics()
     assert metrics["solves"] == 0

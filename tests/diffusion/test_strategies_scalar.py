@@ -26,7 +26,7 @@ WEIGHTS = (1.0, 2.0, 0.5)
 
 def test_normalize_then_sum_trains_on_gdpos_advantage_with_the_rewards_weights(tiny_dir, tmp_path):
     strategy = {"name": "normalize_then_sum", "std_scope": "batch", "bessel": False, "rescale_masked": True}
-    trainer = Trainer(with_strategy(tiny_dir, tmp_path, WEIGHTS, **strategy))
+    trainer = Trainer.from_config(with_strategy(tiny_dir, tmp_path, WEIGHTS, **strategy))
     batch = trainer.score(trainer.sample(0))
     expected = normalize_then_sum(
         batch.rewards, [1.0, 2.0, 0.5], batch.prompts, std_scope="batch", ddof=0, rescale_masked=True
@@ -144,7 +144,7 @@ def test_weights_move_once_the_window_is_full_and_an_epoch_counts_once():
 
 
 def test_famo_weighs_each_epochs_sum_by_its_weights_and_resumes_them(tiny_dir, tmp_path):
-    trainer = Trainer(with_strategy(tiny_dir, tmp_path, WEIGHTS, name="famo", window=2, lr=50.0))
+    trainer = Trainer.from_config(with_strategy(tiny_dir, tmp_path, WEIGHTS, name="famo", window=2, lr=50.0))
     strategy = trainer.strategy
     assert strategy.weights() == pytest.approx([1 / 3.5, 2 / 3.5, 0.5 / 3.5])
     for epoch in range(3):
@@ -162,7 +162,9 @@ def test_famo_weighs_each_epochs_sum_by_its_weights_and_resumes_them(tiny_dir, t
     torch.testing.assert_close(advantages, expected, rtol=0, atol=0)
     saved = trainer.optimizer.state_dict()
     assert saved[STATE_KEY] == strategy.rates.state_dict()
-    other = Trainer(with_strategy(tiny_dir, tmp_path / "b", WEIGHTS, name="famo", window=2, lr=50.0))
+    other = Trainer.from_config(
+        with_strategy(tiny_dir, tmp_path / "b", WEIGHTS, name="famo", window=2, lr=50.0)
+    )
     other.optimizer.load_state_dict(saved)
     assert other.strategy.weights() == strategy.weights()
 

@@ -11,6 +11,7 @@ import signal
 import subprocess
 import sys
 import time
+from dataclasses import replace
 from pathlib import Path
 
 import pytest
@@ -22,16 +23,19 @@ from hypothesis import given
 from hypothesis import strategies as st
 
 import mogo
-from mogo_diffusion import compare, models
+from mogo_diffusion import compare, figures, models
 from mogo_diffusion import train as train_module
 from mogo_diffusion.advantages import per_reward_advantages, weighted_sum_advantages
 from mogo_diffusion.attention import Float32Attention
 from mogo_diffusion.checkpoint import CheckpointError, load_checkpoint, save_checkpoint
+from mogo_diffusion.checks import check_config
 from mogo_diffusion.config import Config, ConfigError, load_config
 from mogo_diffusion.evaluate import read_metrics
 from mogo_diffusion.nft import kl_loss, nft_loss
+from mogo_diffusion.prompts import PromptSet, load_prompt_pool
+from mogo_diffusion.rewards import MultiReward, make_reward
 from mogo_diffusion.streams import stream_seed
-from mogo_diffusion.train import MicroBatch, Trainer, check_config, main
+from mogo_diffusion.train import DEFAULT_PROMPTS, Batch, MicroBatch, Trainer, main
 from tests.diffusion import train_worker
 from tests.diffusion.test_checkpoint import assert_same
 from tests.launch import accelerate_launch, launch
@@ -54,13 +58,6 @@ STRATEGIES = {
 }
 
 
-@pytest.fixture(scope="module")
-def tiny_dir(tmp_path_factory):
-    path = tmp_path_factory.mktemp("tiny-sd3")
-    models.tiny_sd3("smoke").save_pretrained(path)
-    return path
-
-
 def config(tiny_dir, out, strategy="marble", **train) -> Config:
     return Config.from_dict(
         {
@@ -81,7 +78,7 @@ def lora_vector(trainer: Trainer) -> torch.Tensor:
 
 
 def test_a_run_trains_logs_and_checkpoints(tiny_dir, tmp_path):
-    history = Trainer(config(tiny_dir, tmp_path, "marble")).train()
+    history = Trainer.from_config(config(tiny_dir, tmp_path, "marble")).train()
     assert [m["epoch"] for m in history] == [0, 1]
     lines = [json.loads(line) for line in (tmp_path / "metrics.jsonl").read_text().splitlines()]
     assert len(lines) == 2
@@ -96,8 +93,88 @@ def test_a_run_trains_logs_and_checkpoints(tiny_dir, tmp_path):
 
 
 def test_sequential_follows_its_stages(tiny_dir, tmp_path):
-    trainer = Trainer(config(tiny_dir, tmp_path, "sequential"))
+    trainer = Trainer.from_config(config(tiny_dir, tmp_path, "sequential"))
     assert [trainer.strategy.columns(epoch) for epoch in range(4)] == [[1], [2], [1], [2]]
+
+
+def test_a_trainer_is_built_from_its_components_as_from_config_builds_them(tiny_dir, tmp_path):
+    run = config(tiny_dir, tmp_path, "weighted_sum")
+    built = Trainer.from_config(run)
+    pipeline = models.load_pipeline(tiny_dir)
+    with torch.random.fork_rng(devices=[]):
+        torch.manual_seed(built.seed_of("lora_init"))
+        models.add_lora(pipeline.transformer, 4, 8)
+    rewards = MultiReward([make_reward(spec["name"]) for spec in REWARDS])
+    prompts = load_prompt_pool(PromptSet(list(DEFAULT_PROMPTS), [{} for _ in DEFAULT_PROMPTS]))
+    trainer = Trainer(run, pipeline, rewards, prompts)
+    assert (trainer.pipeline, trainer.rewards, trainer.prompts) == (pipeline, rewards, prompts)
+    assert trainer.eval_prompts is None
+    assert torch.equal(lora_vector(trainer), lora_vector(built))
+    assert torch.equal(trainer.sample(0).latents, built.sample(0).latents)
+    with pytest.raises(ValueError, match=r"pipeline\.transformer has no LoRA adapters"):
+        Trainer(run, models.load_pipeline(tiny_dir), rewards, prompts)
+    with pytest.raises(ValueError, match=r"rewards \['sharpness'\] are not the config's rewards \['jpeg"):
+        Trainer(run, pipeline, MultiReward([make_reward("sharpness")]), prompts)
+
+
+@pytest.fixture(scope="module")
+def planner(tiny_dir, tmp_path_factory) -> Trainer:
+    return Trainer.from_config(config(tiny_dir, tmp_path_factory.mktemp("plan"), "weighted_sum"))
+
+
+@given(
+    rows=st.integers(1, 12),
+    batch_size=st.integers(1, 5),
+    steps=st.integers(1, 6),
+    fraction=st.floats(0.01, 1.0),
+    epoch=st.integers(0, 10**6),
+)
+def test_plan_splits_the_local_rows_into_micro_batches_of_distinct_timesteps(
+    planner, rows, batch_size, steps, fraction, epoch
+):
+    run = planner.config
+    planner.config = replace(run, train=replace(run.train, batch_size=batch_size, timestep_fraction=fraction))
+    try:
+        latents = torch.zeros(rows, 2, 3, 3)
+        batch = Batch([""] * rows, [{}] * rows, slice(0, rows), latents, latents, latents,
+                      torch.linspace(1, 0, steps), torch.arange(steps), latents)  # fmt: skip
+        advantages = torch.arange(2.0 * rows).reshape(rows, 2)
+        parts = planner.plan(batch, advantages, epoch)
+        again = planner.plan(batch, advantages, epoch)
+    finally:
+        planner.config = run
+    assert sorted(torch.cat([part.index for part in parts]).tolist()) == list(range(rows))
+    sizes = [min(batch_size, rows - begin) for begin in range(0, rows, batch_size)]
+    assert [len(part.index) for part in parts] == sizes
+    count = max(1, int(fraction * steps))
+    for part, same in zip(parts, again, strict=True):
+        assert torch.equal(part.advantages, advantages[part.index])
+        assert part.timesteps == sorted(set(part.timesteps))
+        assert len(part.timesteps) == count
+        assert set(part.timesteps) <= set(range(steps))
+        assert part.noise.shape == (count, len(part.index), 2, 3, 3)
+        assert torch.equal(part.index, same.index)  # drawn from the epoch's own stream
+        assert torch.equal(part.noise, same.noise)
+
+
+def test_end_epoch_moves_the_old_adapter_and_the_evaluation_ema_towards_the_trained_one(tiny_dir, tmp_path):
+    run = config(tiny_dir, tmp_path, "weighted_sum", old_decay_rate=0.2, eval_ema_decay=0.7)
+    trainer = Trainer.from_config(run)
+    with torch.no_grad():
+        for p in trainer.params:
+            p.add_(torch.randn(p.shape, generator=torch.Generator().manual_seed(p.numel())))
+    trained = [p.detach().clone() for p in trainer.params]
+    old = [p.detach().clone() for p in models.lora_parameters(trainer.transformer, models.OLD)]
+    ema = [t.clone() for t in trainer.eval_ema.shadow_params]
+    trainer.end_epoch(2)  # the old adapter's decay min(0.2 * 2, 0.5) = 0.4
+    after = [models.lora_parameters(trainer.transformer, models.OLD), trainer.eval_ema.shadow_params]
+    for moved, start, decay in zip(after, (old, ema), (0.4, 0.7), strict=True):
+        for now, was, target in zip(moved, start, trained, strict=True):
+            expected = decay * was.double() + (1 - decay) * target.double()
+            # one float32 lerp: a few eps32 of the operands' size
+            bound = 4 * torch.finfo(torch.float32).eps * float(torch.maximum(was.abs(), target.abs()).max())
+            torch.testing.assert_close(now.double(), expected, rtol=0, atol=bound)
+    assert all(torch.equal(p, t) for p, t in zip(trainer.params, trained, strict=True))
 
 
 # ---- one step at a time ------------------------------------------------------------------------
@@ -142,7 +219,7 @@ def grads_of(loss: torch.Tensor, params) -> torch.Tensor:
 
 @pytest.mark.parametrize("strategy", ["weighted_sum", "single"])
 def test_a_step_of_several_micro_batches_is_the_mean_of_their_gradients(tiny_dir, tmp_path, strategy):
-    trainer = Trainer(config(tiny_dir, tmp_path, strategy))
+    trainer = Trainer.from_config(config(tiny_dir, tmp_path, strategy))
     batch, advantages, _, timesteps, noise = one_step(trainer)
     parts = [MicroBatch(rows, advantages[rows], timesteps, noise[:, : len(rows)]) for rows in
              (torch.tensor([2, 0]), torch.tensor([3, 1]))]  # fmt: skip
@@ -160,17 +237,17 @@ def test_a_step_of_several_micro_batches_is_the_mean_of_their_gradients(tiny_dir
 
 
 def test_steps_per_epoch_accumulates_the_epochs_batches_into_that_many_steps(tiny_dir, tmp_path):
-    trainer = Trainer(config(tiny_dir, tmp_path, "weighted_sum", batch_size=1, steps_per_epoch=2))
+    trainer = Trainer.from_config(config(tiny_dir, tmp_path, "weighted_sum", batch_size=1, steps_per_epoch=2))
     trainer.train_epoch(0)
     steps = {int(state["step"]) for state in trainer.optimizer.state_dict()["state"].values()}
     assert steps == {2}  # 4 batches of one sample, 2 steps
     with pytest.raises(ConfigError, match=r"train\.steps_per_epoch: 5 steps, but each process trains 4"):
-        Trainer(config(tiny_dir, tmp_path / "b", "weighted_sum", batch_size=1, steps_per_epoch=5))
+        Trainer.from_config(config(tiny_dir, tmp_path / "b", "weighted_sum", batch_size=1, steps_per_epoch=5))
 
 
 @pytest.mark.parametrize("strategy", ["weighted_sum", "single", "sequential"])
 def test_a_one_advantage_step_is_the_gradient_of_its_nft_loss_then_adamw(tiny_dir, tmp_path, strategy):
-    trainer = Trainer(config(tiny_dir, tmp_path, strategy, grad_clip=0.05))
+    trainer = Trainer.from_config(config(tiny_dir, tmp_path, strategy, grad_clip=0.05))
     batch, advantages, index, timesteps, noise = one_step(trainer)
     rewards, groups = batch.rewards, batch.prompts
     if strategy == "weighted_sum":
@@ -218,7 +295,7 @@ def marble_gradient(trainer, batch, advantages, index, j, eps) -> torch.Tensor:
 
 
 def test_the_marble_gradient_is_the_weighted_sum_of_the_per_reward_gradients(tiny_dir, tmp_path):
-    trainer = Trainer(config(tiny_dir, tmp_path, "marble"))
+    trainer = Trainer.from_config(config(tiny_dir, tmp_path, "marble"))
     batch, advantages, index, timesteps, noise = one_step(trainer, steps=1)
     torch.testing.assert_close(
         advantages, per_reward_advantages(batch.rewards, batch.prompts)[batch.local], rtol=0, atol=0
@@ -236,7 +313,7 @@ def test_a_registered_weighting_reaches_the_trainer_by_name(tiny_dir, tmp_path):
     try:
         data = config(tiny_dir, tmp_path).to_dict()
         data["strategy"] = {"name": "test_equal_sum", "harmonize_every": 1, "options": {"scale": 2.0}}
-        trainer = Trainer(Config.from_dict(data))
+        trainer = Trainer.from_config(Config.from_dict(data))
         assert isinstance(trainer.optimizer.weighting, mogo.WeightedSum)
         batch, advantages, index, timesteps, noise = one_step(trainer, steps=1)
         v, v_old, v_ref, x_t, x0, t = forward(trainer, batch, index, 0, noise[0])
@@ -248,7 +325,7 @@ def test_a_registered_weighting_reaches_the_trainer_by_name(tiny_dir, tmp_path):
         torch.testing.assert_close(flat(p.grad for p in trainer.params), expected, rtol=0, atol=tolerance)
         data["strategy"]["options"] = {"colour": 1}
         with pytest.raises(ConfigError, match=r"strategy\.options: weighting 'test_equal_sum'"):
-            Trainer(Config.from_dict(data))
+            Trainer.from_config(Config.from_dict(data))
     finally:
         mogo.WEIGHTINGS.pop("test_equal_sum")
 
@@ -272,13 +349,13 @@ def test_a_gradient_scaler_changes_no_gradient_and_no_update(tiny_dir, tmp_path,
     unscaled ones (accelerate's scaler used to reach clipping and AdamW scaled, marble's not)."""
     runs = []
     for scaler in (None, torch.amp.GradScaler("cpu", init_scale=2.0**12)):
-        trainer = Trainer(config(tiny_dir, tmp_path, strategy, grad_clip=0.05), scaler=scaler)
+        trainer = Trainer.from_config(config(tiny_dir, tmp_path, strategy, grad_clip=0.05), scaler=scaler)
         batch, advantages, index, timesteps, noise = one_step(trainer)
         trainer.gradients(batch, [MicroBatch(index, advantages[index], timesteps, noise)])
         grads = flat(p.grad for p in trainer.params)
         trainer.update()
         runs.append((grads, flat(trainer.params).detach()))
-    assert not runs[0][1].equal(flat(Trainer(config(tiny_dir, tmp_path, strategy)).params))
+    assert not runs[0][1].equal(flat(Trainer.from_config(config(tiny_dir, tmp_path, strategy)).params))
     assert torch.equal(runs[0][0], runs[1][0])
     assert torch.equal(runs[0][1], runs[1][1])
 
@@ -290,7 +367,7 @@ def test_an_overflowing_step_is_skipped_and_lowers_the_scale(tiny_dir, tmp_path,
     if strategy == "marble":
         data["strategy"]["nonfinite"] = "skip"
     scaler = torch.amp.GradScaler("cpu", init_scale=2.0**10)
-    trainer = Trainer(Config.from_dict(data), scaler=scaler)
+    trainer = Trainer.from_config(Config.from_dict(data), scaler=scaler)
     assert trainer.scaler is scaler
     assert trainer.mixed_precision == "fp16"
     batch, advantages, index, timesteps, noise = one_step(trainer)
@@ -314,21 +391,25 @@ def test_the_gradient_scalers_state_is_saved_and_resumed(tiny_dir, tmp_path):
     initial scale, so a resumed fp16 run was not the uninterrupted one)."""
     data = config(tiny_dir, tmp_path, "weighted_sum", epochs=1).to_dict()
     data["train"]["mixed_precision"] = "fp16"
-    trainer = Trainer(Config.from_dict(data), scaler=torch.amp.GradScaler("cpu", init_scale=2.0**10))
+    trainer = Trainer.from_config(
+        Config.from_dict(data), scaler=torch.amp.GradScaler("cpu", init_scale=2.0**10)
+    )
     trainer.scaler.scale(torch.ones(()))  # the scale exists from the first scaled loss on
     trainer.scaler.update(2.0**7)  # a scale the run reached, not the initial one
     trainer.train()
-    resumed = Trainer(Config.from_dict(data), scaler=torch.amp.GradScaler("cpu", init_scale=2.0**10))
+    resumed = Trainer.from_config(
+        Config.from_dict(data), scaler=torch.amp.GradScaler("cpu", init_scale=2.0**10)
+    )
     resumed.resume("latest")
     assert resumed.scaler.get_scale() == trainer.scaler.get_scale() == 2.0**7
     assert resumed.scaler.state_dict() == trainer.scaler.state_dict()
 
 
 def test_bf16_autocast_trains_on_the_cpu_and_auto_means_no_there(tiny_dir, tmp_path):
-    auto = Trainer(config(tiny_dir, tmp_path, "weighted_sum", mixed_precision="auto"))
+    auto = Trainer.from_config(config(tiny_dir, tmp_path, "weighted_sum", mixed_precision="auto"))
     assert auto.mixed_precision == "no"
     assert not auto.scaler.is_enabled()
-    trainer = Trainer(config(tiny_dir, tmp_path, "marble", mixed_precision="bf16"))
+    trainer = Trainer.from_config(config(tiny_dir, tmp_path, "marble", mixed_precision="bf16"))
     assert not trainer.scaler.is_enabled()
     batch, advantages, index, timesteps, noise = one_step(trainer, steps=1)
     with trainer.autocast():
@@ -349,7 +430,7 @@ def test_bf16_autocast_trains_on_the_cpu_and_auto_means_no_there(tiny_dir, tmp_p
 
 def test_the_random_streams_of_a_run_are_distinct(tiny_dir, tmp_path):
     """The training draws of epoch e were the sampling draws of epoch e + 1 (the same seed)."""
-    trainer = Trainer(config(tiny_dir, tmp_path, "single"))
+    trainer = Trainer.from_config(config(tiny_dir, tmp_path, "single"))
     seeds = [
         trainer.stream(purpose, e).initial_seed() for purpose in ("sampling", "training") for e in range(4)
     ]
@@ -373,25 +454,28 @@ def test_stream_seeds_differ_for_distinct_purposes_and_indices(seed, keys):
 
 
 def test_a_resumed_run_ends_bit_identical_to_an_uninterrupted_one(tiny_dir, tmp_path):
-    whole = Trainer(config(tiny_dir, tmp_path / "whole", epochs=3))
+    whole = Trainer.from_config(config(tiny_dir, tmp_path / "whole", epochs=3))
     whole.train()
-    first = Trainer(config(tiny_dir, tmp_path / "split", epochs=3))
+    first = Trainer.from_config(config(tiny_dir, tmp_path / "split", epochs=3))
     first.train(epochs=2)
-    resumed = Trainer(config(tiny_dir, tmp_path / "split", epochs=3))
+    resumed = Trainer.from_config(config(tiny_dir, tmp_path / "split", epochs=3))
     resumed.resume("latest")
     assert resumed.epoch == 2
     resumed.train()
     assert torch.equal(lora_vector(resumed), lora_vector(whole))
     old = [models.lora_parameters(t.transformer, models.OLD) for t in (whole, resumed)]
     assert all(torch.equal(a, b) for a, b in zip(*old, strict=True))
-    assert all(torch.equal(a, b) for a, b in zip(whole.eval_ema, resumed.eval_ema, strict=True))
+    assert all(
+        torch.equal(a, b)
+        for a, b in zip(whole.eval_ema.shadow_params, resumed.eval_ema.shadow_params, strict=True)
+    )
     amortizers = [t.optimizer.state_dict()["mogo"]["amortizer"] for t in (whole, resumed)]
     for key, value in amortizers[0].items():
         assert torch.equal(torch.as_tensor(value), torch.as_tensor(amortizers[1][key])), key
 
 
 def test_the_saved_lora_loads_into_a_fresh_pipeline_and_changes_its_output(tiny_dir, tmp_path):
-    trainer = Trainer(config(tiny_dir, tmp_path, "weighted_sum"))
+    trainer = Trainer.from_config(config(tiny_dir, tmp_path, "weighted_sum"))
     trainer.train()
     lora = tmp_path / "checkpoints" / "step-000002" / "lora"
 
@@ -414,7 +498,7 @@ def test_the_saved_lora_loads_into_a_fresh_pipeline_and_changes_its_output(tiny_
 
 def test_bad_configs_fail_at_start_naming_the_field(tiny_dir, tmp_path):
     with pytest.raises(ConfigError, match=r"rewards\.0\.name"):
-        Trainer(Config.from_dict({"rewards": [{"name": "no_such_reward"}]}))
+        Trainer.from_config(Config.from_dict({"rewards": [{"name": "no_such_reward"}]}))
     data = config(tiny_dir, tmp_path, "weighted_sum").to_dict()
     data["rewards"][1]["weight"] = None
     with pytest.raises(ConfigError, match="weight"):
@@ -426,11 +510,11 @@ def test_bad_configs_fail_at_start_naming_the_field(tiny_dir, tmp_path):
 
 
 def test_a_corrupt_checkpoint_is_named_and_nothing_is_changed(tiny_dir, tmp_path):
-    trainer = Trainer(config(tiny_dir, tmp_path, "marble", epochs=1))
+    trainer = Trainer.from_config(config(tiny_dir, tmp_path, "marble", epochs=1))
     trainer.train()
     checkpoint = tmp_path / "checkpoints" / "step-000001"
     (checkpoint / "tensors.safetensors").write_bytes(b"not a safetensors file")
-    fresh = Trainer(config(tiny_dir, tmp_path, "marble", epochs=1))
+    fresh = Trainer.from_config(config(tiny_dir, tmp_path, "marble", epochs=1))
     before = lora_vector(fresh)
     with pytest.raises(CheckpointError, match=r"tensors\.safetensors"):
         fresh.resume("latest")
@@ -438,22 +522,66 @@ def test_a_corrupt_checkpoint_is_named_and_nothing_is_changed(tiny_dir, tmp_path
     assert torch.equal(lora_vector(fresh), before)
 
 
-def test_the_command_line_runs_with_overrides_and_has_help(tiny_dir, tmp_path, capsys):
+def test_the_command_line_has_help_and_names_a_bad_override(tiny_dir, tmp_path, capsys):
     path = tmp_path / "run.yaml"
     config(tiny_dir, tmp_path / "cli", "single").save(path)
-    main(["--config", str(path), "--set", "train.epochs=1"])
-    assert len((tmp_path / "cli" / "metrics.jsonl").read_text().splitlines()) == 1
     with pytest.raises(SystemExit):
         main(["--help"])
     assert "--resume" in capsys.readouterr().out
     with pytest.raises(SystemExit):
         main(["--config", str(path), "--set", "train.lr=-1"])
     assert "train.lr" in capsys.readouterr().err
+    assert not (tmp_path / "cli").exists()
+
+
+NUMBER = r"(-?\d+\.\d{4}|-)"
+
+
+@pytest.mark.spawns
+def test_the_command_reports_each_epoch_then_the_held_out_table_and_what_it_wrote(tiny_dir, tmp_path):
+    """Issue 40: in a file or a pipe the command printed nothing but third-party warnings and
+    progress bars. Now: a line per epoch, the pretrained against the trained model's held-out
+    rewards (the numbers of metrics.jsonl), the paths written; nothing on stderr."""
+    (tmp_path / "eval.txt").write_text("a red circle\na blue square\na green triangle\n")
+    data = config(tiny_dir, tmp_path / "run", "marble", eval_every=2).to_dict()
+    data["sampling"]["eval_prompts"] = str(tmp_path / "eval.txt")
+    Config.from_dict(data).save(tmp_path / "run.yaml")
+    env = {**os.environ, "PYTHONPATH": str(Path(__file__).resolve().parents[2]), "OMP_NUM_THREADS": "1"}
+    command = [sys.executable, "-m", "mogo_diffusion.train", "--config", str(tmp_path / "run.yaml")]
+    result = subprocess.run([*command, "--set", "train.epochs=2"], env=env, capture_output=True, text=True)
+    assert result.returncode == 0, result.stderr[-3000:]
+    assert result.stderr == ""  # no warning, no progress bar
+    records = read_metrics(tmp_path / "run", pretrained=True)
+    assert [r["epoch"] for r in records] == [-1, 0, 1]  # the pretrained model's evaluation first
+    assert ["eval/sharpness" in r for r in records] == [True, False, True]  # eval_every 2, and the last
+    lines = result.stdout.splitlines()
+    names = [spec["name"] for spec in REWARDS]
+    pretrained = " ".join(f"{n} {records[0][f'eval/{n}']:.4f}" for n in names)
+    assert lines[0] == f"pretrained model: held-out {pretrained}"
+    for record, line in zip(records[1:], lines[1:3], strict=True):
+        epoch, rewards, *held_out = line.split(" | ")
+        assert epoch == f"epoch {record['epoch'] + 1}/2: {record['images_per_second']:.1f} images/s"
+        assert rewards == "reward " + " ".join(f"{n} {record[f'reward/{n}']:.4f}" for n in names)
+        assert held_out == (["held-out " + " ".join(f"{n} {record[f'eval/{n}']:.4f}" for n in names)]
+                            if "eval/sharpness" in record else [])  # fmt: skip
+    assert lines[3].split() == ["held-out", "reward", "pretrained", "trained", "change"]
+    for name, row in zip(names, lines[4:7], strict=True):
+        cells = re.fullmatch(rf"{name} +{NUMBER} +{NUMBER} +\+?{NUMBER}", row).groups()
+        before, after, change = (float(cell) for cell in cells)
+        exact = records[0][f"eval/{name}"], records[-1][f"eval/{name}"]
+        assert (before, after) == (round(exact[0], 4), round(exact[1], 4))
+        assert abs(change - (exact[1] - exact[0])) <= 0.5e-4 + 1e-12
+    assert lines[7:9] == ["", "wrote:"]
+    written = [Path(line.split()[-1]) for line in lines[9:]]
+    run = tmp_path / "run"
+    assert written == [run, run / "samples.png", run / "curves.png", run / "metrics.jsonl",
+                       run / "checkpoints" / "step-000002"]  # fmt: skip
+    assert all(path.exists() for path in written)
 
 
 def test_metrics_reach_tensorboard_through_accelerate(tiny_dir, tmp_path):
     event_accumulator = pytest.importorskip("tensorboard.backend.event_processing.event_accumulator")
-    Trainer(config(tiny_dir, tmp_path, "marble", log_with=["tensorboard"])).train()
+    Trainer.from_config(config(tiny_dir, tmp_path, "marble", log_with=["tensorboard"])).train()
     (run,) = (tmp_path / "trackers" / "mogo_diffusion").glob("events.out.tfevents.*")
     events = event_accumulator.EventAccumulator(str(run))
     events.Reload()
@@ -466,15 +594,16 @@ def test_metrics_reach_tensorboard_through_accelerate(tiny_dir, tmp_path):
 
 def test_an_unknown_or_missing_tracker_is_named(tiny_dir, tmp_path):
     with pytest.raises(ConfigError, match=r"train\.log_with: unknown tracker 'tensorbord'"):
-        Trainer(config(tiny_dir, tmp_path, "single", log_with=["tensorbord"]))
+        Trainer.from_config(config(tiny_dir, tmp_path, "single", log_with=["tensorbord"]))
     available = {str(kind) for kind in get_available_trackers()}
     missing = [str(kind) for kind in LoggerType if kind != LoggerType.ALL and str(kind) not in available]
     if not missing:
         pytest.skip("every accelerate tracker is installed here")
     with pytest.raises(ConfigError, match=rf"tracker '{missing[0]}' needs its package"):
-        Trainer(config(tiny_dir, tmp_path, "single", log_with=missing[:1]))
+        Trainer.from_config(config(tiny_dir, tmp_path, "single", log_with=missing[:1]))
 
 
+@pytest.mark.spawns
 def test_two_processes_sample_their_share_and_stay_identical(tiny_dir, tmp_path):
     """Under ``accelerate launch`` each process samples half of the groups: the gathered rewards
     equal one process's, and averaged gradients keep the ranks' adapters identical."""
@@ -487,7 +616,9 @@ def test_two_processes_sample_their_share_and_stay_identical(tiny_dir, tmp_path)
     for path in paths:
         first, second = (rank[path.stem] for rank in ranks)
         assert torch.equal(first["params"], second["params"])
-        single = Trainer(config(tiny_dir, tmp_path / "single" / path.stem, path.stem, batch_size=2, epochs=1))
+        single = Trainer.from_config(
+            config(tiny_dir, tmp_path / "single" / path.stem, path.stem, batch_size=2, epochs=1)
+        )
         assert not torch.equal(first["params"], lora_vector(single))
         (epoch0,) = single.train()
         expected = torch.tensor([epoch0[f"reward/{name}"] for name in single.names])
@@ -503,8 +634,8 @@ def test_shapes_prompts_reach_the_rewards_and_the_evaluation_uses_the_eval_ema(t
         {"name": name, "weight": 1.0} for name in ("shapes_color", "shapes_count", "jpeg_compressibility")
     ]
     data["strategy"]["reward_scale"] = "zscore"
-    trainer = Trainer(Config.from_dict(data))
-    initial = [p.clone() for p in trainer.eval_ema]
+    trainer = Trainer.from_config(Config.from_dict(data))
+    initial = [p.clone() for p in trainer.eval_ema.shadow_params]
     before = trainer.evaluate()  # shapes rewards raise without the prompts' metadata
     # the initial adapter is zero: the base images are the evaluation's, bit for bit in the same
     # batches; rows [3, 0] alone change only the order of float32 sums (~1e3 ulps of [0, 1] at most)
@@ -514,10 +645,21 @@ def test_shapes_prompts_reach_the_rewards_and_the_evaluation_uses_the_eval_ema(t
     for record in history:
         assert 0 <= record["eval/shapes_color"] <= 1
         assert set(record) >= {"eval/shapes_count", "eval/jpeg_compressibility"}
+    records = read_metrics(tmp_path, pretrained=True)
+    # the held-out curves start at the pretrained model: the evaluation of the adapters at their
+    # initialisation, logged before the first epoch, drawn at 0 epochs trained in curves.png
+    assert json.dumps(records[0]) == json.dumps({"epoch": -1, **before})
+    (held_out,) = [axis for axis in figures.run_curves(records).axes if axis.get_title() == "held-out reward"]
+    (colour,) = [line for line in held_out.get_lines() if line.get_label() == "shapes_color"]
+    assert colour.get_xdata().tolist() == [0, 1, 2]
+    assert colour.get_ydata().tolist() == [
+        before["eval/shapes_color"],
+        *(r["eval/shapes_color"] for r in history),
+    ]
     assert (tmp_path / "samples.png").is_file()
     assert (tmp_path / "curves.png").is_file()
     trained = lora_vector(trainer)
-    trainer.eval_ema = initial  # the same EMA weights and fixed noise give the same evaluation
+    trainer.eval_ema.shadow_params = initial  # the same EMA weights and fixed noise give the same evaluation
     assert json.dumps(trainer.evaluate()) == json.dumps(before)  # NaN included
     assert torch.equal(lora_vector(trainer), trained)  # and the trained adapter is left as it was
 
@@ -526,7 +668,7 @@ def test_a_bad_prompt_source_is_named(tiny_dir, tmp_path):
     data = config(tiny_dir, tmp_path).to_dict()
     data["sampling"]["eval_prompts"] = "shapes:validation"
     with pytest.raises(ConfigError, match=r"sampling\.eval_prompts: prompt source 'shapes:validation'"):
-        Trainer(Config.from_dict(data))
+        Trainer.from_config(Config.from_dict(data))
 
 
 @pytest.mark.parametrize(
@@ -570,7 +712,7 @@ def test_reward_and_strategy_names_are_checked_when_the_trainer_is_built(overrid
 def one_epoch_run(tiny_dir, tmp_path_factory):
     """A marble run trained for one epoch (``checkpoints/step-000001``); copy it before changing it."""
     out = tmp_path_factory.mktemp("one-epoch")
-    Trainer(config(tiny_dir, out, "marble", epochs=1)).train()
+    Trainer.from_config(config(tiny_dir, out, "marble", epochs=1)).train()
     return out
 
 
@@ -597,7 +739,7 @@ def test_a_resume_refuses_every_config_change_it_cannot_honour(tiny_dir, one_epo
     )
     assert (run / "config.yaml").read_text() == recorded
     assert sorted(p.name for p in (run / "checkpoints").iterdir()) == ["step-000001"]
-    switched = Trainer(config(tiny_dir, run, "weighted_sum", epochs=2))
+    switched = Trainer.from_config(config(tiny_dir, run, "weighted_sum", epochs=2))
     with pytest.raises(
         ConfigError,
         match=r"^strategy\.name, .*strategy\.name: 'marble' in the checkpoint, 'weighted_sum' now",
@@ -653,14 +795,14 @@ def test_a_malformed_state_json_is_named_and_nothing_is_changed(
     good = load_checkpoint(run / "checkpoints" / "step-000001")
     bad, message = bad_state(case, good)
     save_checkpoint(run / "checkpoints", 1, bad)
-    fresh = Trainer(config(tiny_dir, run, "marble", epochs=2))
+    fresh = Trainer.from_config(config(tiny_dir, run, "marble", epochs=2))
     before, optimizer = lora_vector(fresh), copy.deepcopy(fresh.optimizer.state_dict())
-    ema = [t.clone() for t in fresh.eval_ema]
+    ema = [t.clone() for t in fresh.eval_ema.shadow_params]
     with pytest.raises(CheckpointError, match=r"step-000001/state\.json'.*" + message):
         fresh.resume("latest")
     assert fresh.epoch == 0
     assert torch.equal(lora_vector(fresh), before)
-    assert all(torch.equal(a, b) for a, b in zip(fresh.eval_ema, ema, strict=True))
+    assert all(torch.equal(a, b) for a, b in zip(fresh.eval_ema.shadow_params, ema, strict=True))
     assert_same(fresh.optimizer.state_dict(), optimizer)
     if case in ("epoch negative", "epoch beyond"):  # the command stops before it writes anything
         recorded = (run / "config.yaml").read_text()
@@ -677,7 +819,7 @@ def test_a_checkpoint_saved_before_a_field_was_removed_resumes(tiny_dir, one_epo
     state = load_checkpoint(run / "checkpoints" / "step-000001")
     state["config"]["sampling"]["steps_per_epoch"] = None
     save_checkpoint(run / "checkpoints", 1, state)
-    fresh = Trainer(config(tiny_dir, run, "marble", epochs=2))
+    fresh = Trainer.from_config(config(tiny_dir, run, "marble", epochs=2))
     fresh.resume("latest")
     assert fresh.epoch == 1
     state["config"]["sampling"]["steps_per_epoch"] = 2  # a value was never valid there
@@ -685,7 +827,7 @@ def test_a_checkpoint_saved_before_a_field_was_removed_resumes(tiny_dir, one_epo
     with pytest.raises(
         CheckpointError, match=r"field 'config' is not a valid config: sampling\.steps_per_epoch"
     ):
-        Trainer(config(tiny_dir, run, "marble", epochs=2)).resume("latest")
+        Trainer.from_config(config(tiny_dir, run, "marble", epochs=2)).resume("latest")
 
 
 def save_config(tiny_dir, out, where) -> Path:
@@ -701,7 +843,7 @@ def test_damaged_tensor_bytes_are_refused_before_anything_changes(tiny_dir, one_
     data = bytearray(tensors.read_bytes())
     data[len(data) // 2 - 32 : len(data) // 2 + 32] = b"\xff" * 64
     tensors.write_bytes(bytes(data))
-    fresh = Trainer(config(tiny_dir, run, "marble", epochs=2))
+    fresh = Trainer.from_config(config(tiny_dir, run, "marble", epochs=2))
     before = lora_vector(fresh)
     with (
         pytest.warns(UserWarning, match="skipping a damaged checkpoint"),
@@ -740,6 +882,7 @@ main(["--config", sys.argv[1]])
 """
 
 
+@pytest.mark.spawns
 def test_a_run_killed_while_saving_resumes_from_its_last_complete_checkpoint(tiny_dir, tmp_path):
     """kill -9 in the middle of a real save (step 2, the final one, after its LoRA export): the run
     is unfinished, step 1 is chosen, and the resumed run ends bit-identical to an uninterrupted one."""
@@ -758,15 +901,18 @@ def test_a_run_killed_while_saving_resumes_from_its_last_complete_checkpoint(tin
     assert [r["epoch"] for r in read_metrics(tmp_path / "killed")] == [0, 1]
     assert not compare.done(killed)
     assert compare.decide(killed) == ("resume", "unfinished, from step-000001")
-    resumed = Trainer(killed)
+    resumed = Trainer.from_config(killed)
     resumed.resume("latest")
     assert resumed.epoch == 1
     resumed.train()
     assert compare.done(killed)
-    whole = Trainer(config(tiny_dir, tmp_path / "whole", epochs=2))
+    whole = Trainer.from_config(config(tiny_dir, tmp_path / "whole", epochs=2))
     whole.train()
     assert torch.equal(lora_vector(resumed), lora_vector(whole))
-    assert all(torch.equal(a, b) for a, b in zip(whole.eval_ema, resumed.eval_ema, strict=True))
+    assert all(
+        torch.equal(a, b)
+        for a, b in zip(whole.eval_ema.shadow_params, resumed.eval_ema.shadow_params, strict=True)
+    )
     assert sorted(p.name for p in checkpoints.iterdir()) == ["step-000001", "step-000002"]
 
 
@@ -817,6 +963,7 @@ main(["--config", sys.argv[1]])
 """
 
 
+@pytest.mark.spawns
 def test_a_second_process_cannot_train_into_a_claimed_directory(tiny_dir, tmp_path, capsys):
     """Issue 39 item 4: two runs on one out_dir at once deleted each other's staging folders and
     left one run's config with the other's checkpoints and interleaved metrics. While a real
@@ -858,8 +1005,8 @@ def test_a_resume_from_an_earlier_checkpoint_logs_each_epoch_once(tiny_dir, tmp_
     """Issue 39 item 7: a run resumed from an earlier checkpoint (or killed between its metrics
     line and its save) logged epochs again ([0, 1, 1]). The records from the resumed epoch on are
     replaced by the new attempt's."""
-    Trainer(config(tiny_dir, tmp_path, "weighted_sum", epochs=2)).train()
-    again = Trainer(config(tiny_dir, tmp_path, "weighted_sum", epochs=2))
+    Trainer.from_config(config(tiny_dir, tmp_path, "weighted_sum", epochs=2)).train()
+    again = Trainer.from_config(config(tiny_dir, tmp_path, "weighted_sum", epochs=2))
     again.resume(tmp_path / "checkpoints" / "step-000001")
     (epoch1,) = again.train()
     lines = (tmp_path / "metrics.jsonl").read_text().splitlines()
@@ -874,7 +1021,7 @@ def test_a_resume_after_a_kill_in_the_middle_of_a_metrics_line_rewrites_it(tiny_
     run = copy_run(one_epoch_run, tmp_path / "run")
     with (run / "metrics.jsonl").open("a") as file:
         file.write('{"epoch": 1, "seconds": 4.2, "reward/sharp')
-    resumed = Trainer(config(tiny_dir, run, "marble", epochs=2))
+    resumed = Trainer.from_config(config(tiny_dir, run, "marble", epochs=2))
     resumed.resume("latest")
     with pytest.warns(UserWarning, match=r"metrics\.jsonl': its last line is cut off"):
         resumed.train()
@@ -903,7 +1050,7 @@ def test_sampling_resolution_sets_the_latents_of_training_and_evaluation(tiny_di
         data = config(tiny_dir, tmp_path / str(resolution), "weighted_sum").to_dict()
         data["sampling"].update(resolution=resolution, eval_prompts="shapes:heldout:2", eval_num_steps=1)
         pipeline = sd35m_like_pipeline()
-        trainer = Trainer(Config.from_dict(data), pipeline=pipeline)
+        trainer = Trainer.from_config(Config.from_dict(data), pipeline=pipeline)
         assert trainer.pipeline is pipeline
         assert trainer.transformer.config.sample_size == 128
         batch = trainer.sample(0)
@@ -950,7 +1097,7 @@ def test_under_bf16_every_transformer_forward_runs_in_bfloat16_and_what_they_fee
     """train.mixed_precision bf16 on the CPU: sampling, the old and reference velocities and the
     trained one all compute their products in bfloat16 (attention's softmax product in float32);
     latents, losses, gradients and the LoRA weights are float32."""
-    trainer = Trainer(config(tiny_dir, tmp_path, "marble", mixed_precision="bf16"))
+    trainer = Trainer.from_config(config(tiny_dir, tmp_path, "marble", mixed_precision="bf16"))
     assert {type(p) for p in trainer.transformer.attn_processors.values()} == {Float32Attention}
     seen: list[torch.dtype] = []
     layer = trainer.transformer.transformer_blocks[0].ff.net[2]  # a linear layer of every forward

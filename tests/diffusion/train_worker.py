@@ -21,7 +21,7 @@ def main(out: str, *configs: str) -> None:
     torch.set_num_threads(1)
     results, rank = {}, 0
     for config in configs:
-        trainer = Trainer(load_config(config))
+        trainer = Trainer.from_config(load_config(config))
         history = trainer.train()
         rank = trainer.accelerator.process_index
         results[Path(config).stem] = {
