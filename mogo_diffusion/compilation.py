@@ -4,12 +4,13 @@
 (``nn.Module.compile``, inductor) and a dynamic batch dimension. The trainer's adapter switches
 (the old adapter merged into the weights for sampling, the reference model with the adapters off,
 the evaluation EMA merged, the trained adapter fused for the loss;
-:mod:`mogo_diffusion.models`) swap weight data and flags that no compiled guard reads, so one
-graph without gradients (sampling, old and reference velocities) and one with them (the trained
-velocity) serve them all, at every batch size: nothing recompiles after the first pass over them
+:mod:`mogo_diffusion.models`) swap weight data and flags that no compiled guard reads, so the few
+graphs of a run's first epochs (with and without gradients, in training and evaluation mode)
+serve them all, at every batch size: nothing recompiles after them
 (``tests/diffusion/test_compile.py`` proves it with ``torch.compiler.set_stance("fail_on_recompile")``).
 
-The first compile of each graph takes tens of seconds on a CPU; inductor keeps what it compiled
+The first compile takes minutes on a CPU (five for the shapes world's transformer on the 2-core
+AMD EPYC, one thread); inductor keeps what it compiled
 on disk (``TORCHINDUCTOR_CACHE_DIR``, by default ``/tmp/torchinductor_<user>``), so later runs on
 the same machine, the runs of a study included, load it in seconds (docs/benchmarks.rst,
 "Training speed").
@@ -17,23 +18,52 @@ the same machine, the runs of a study included, load it in seconds (docs/benchma
 
 from __future__ import annotations
 
+from pathlib import Path
 from typing import Literal
 
 from torch import nn
 
-__all__ = ["AUTO_MIN_EPOCHS", "compile_transformer", "should_compile"]
+__all__ = ["AUTO_MIN_EPOCHS", "compile_transformer", "cpu_vendor", "should_compile"]
 
 AUTO_MIN_EPOCHS = 20
 """``train.compile: auto`` compiles runs of at least this many epochs: below it the first
-compile (about two minutes on a CPU without a cache) costs more than it saves."""
+compile (minutes on a CPU without a cache) costs more than it saves."""
 
 
-def should_compile(setting: Literal["auto", "no", "yes"], epochs: int) -> bool:
-    """``train.compile`` resolved: ``"auto"`` compiles a run of at least :data:`AUTO_MIN_EPOCHS`
-    epochs, on every device (a documented choice for CUDA, where no measurement was possible)."""
-    if setting == "auto":
-        return epochs >= AUTO_MIN_EPOCHS
-    return setting == "yes"
+def cpu_vendor() -> str:
+    """The CPU's ``vendor_id`` (``"GenuineIntel"``, ``"AuthenticAMD"``), or ``""`` where
+    ``/proc/cpuinfo`` does not say."""
+    try:
+        for line in Path("/proc/cpuinfo").read_text().splitlines():
+            if line.startswith("vendor_id"):
+                return line.split(":", 1)[1].strip()
+    except OSError:
+        pass
+    return ""
+
+
+def should_compile(
+    setting: Literal["auto", "no", "yes"],
+    epochs: int,
+    device: str,
+    precision: str,
+    vendor: str | None = None,
+) -> bool:
+    """``train.compile`` resolved for a run of ``epochs`` on ``device`` (``"cpu"``, ``"cuda"``)
+    under the resolved ``train.mixed_precision``; ``vendor`` defaults to :func:`cpu_vendor`.
+
+    ``"auto"`` compiles where it was measured to pay (docs/benchmarks.rst, "Training speed"), in
+    runs of at least :data:`AUTO_MIN_EPOCHS` epochs: on an Intel CPU (2.8-4x faster steps in
+    float32), on an AMD one under a bfloat16 autocast only (1.35-1.45x on a Zen 5 with AVX-512
+    BF16; in float32 1.1x, against minutes of a first compile), and on CUDA (a choice, not a
+    measurement: no GPU has been lent to the project)."""
+    if setting != "auto":
+        return setting == "yes"
+    if epochs < AUTO_MIN_EPOCHS:
+        return False
+    if device == "cuda" or precision == "bf16":
+        return True
+    return precision == "no" and (cpu_vendor() if vendor is None else vendor) == "GenuineIntel"
 
 
 def compile_transformer(transformer: nn.Module) -> None:

@@ -430,8 +430,8 @@ class TrainConfig:
             or ``"auto"``: bf16 on a CUDA device that supports it, else no. The LoRA weights, the
             optimizer's state, the losses, the advantages and the QP stay float32.
         compile: compile the transformer (:mod:`mogo_diffusion.compilation`): ``"yes"``, ``"no"``,
-            or ``"auto"``: yes for a run of at least
-            :data:`~mogo_diffusion.compilation.AUTO_MIN_EPOCHS` epochs.
+            or ``"auto"``: where it was measured to pay
+            (:func:`~mogo_diffusion.compilation.should_compile`).
         reward_threads: rewards scored at once (see :class:`mogo_diffusion.rewards.MultiReward`).
         seed, out_dir: the random seed (in [0, 2**63)) and the run directory.
         log_every, eval_every, checkpoint_every: periods in epochs.

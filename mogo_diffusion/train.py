@@ -295,7 +295,7 @@ class Trainer:
                 "pipeline.transformer has no LoRA adapters: add them with mogo_diffusion.models.add_lora, "
                 "or build the trainer with Trainer.from_config"
             )
-        if should_compile(config.train.compile, config.train.epochs):
+        if should_compile(config.train.compile, config.train.epochs, self.device.type, self.mixed_precision):
             compile_transformer(self.transformer)
         self.params = models.lora_parameters(self.transformer)
         for p in self.params:  # trained in float32 whatever the frozen weights' dtype

@@ -24,6 +24,7 @@ import pytest
 import torch
 
 from mogo_diffusion import models
+from mogo_diffusion.compilation import AUTO_MIN_EPOCHS, should_compile
 from mogo_diffusion.config import Config
 from mogo_diffusion.sampling import sample
 from mogo_diffusion.train import Trainer
@@ -166,3 +167,20 @@ def test_sampling_from_the_same_noise_gives_eagers_latents_to_float32_round_off(
         theirs = sampled(pipeline, BATCHES[1], name)
         truth = sampled(exact, BATCHES[1], name, torch.float64)
     assert_within_reordering(ours, theirs, truth)
+
+
+@pytest.mark.parametrize(
+    ("setting", "epochs", "device", "precision", "vendor", "compiled"),
+    [
+        ("yes", 1, "cpu", "bf16", "AuthenticAMD", True),
+        ("no", 1000, "cuda", "no", "GenuineIntel", False),
+        ("auto", AUTO_MIN_EPOCHS - 1, "cuda", "bf16", "GenuineIntel", False),
+        ("auto", AUTO_MIN_EPOCHS, "cuda", "bf16", "AuthenticAMD", True),
+        ("auto", AUTO_MIN_EPOCHS, "cpu", "no", "GenuineIntel", True),
+        ("auto", AUTO_MIN_EPOCHS, "cpu", "bf16", "AuthenticAMD", True),
+        ("auto", AUTO_MIN_EPOCHS, "cpu", "no", "AuthenticAMD", False),
+        ("auto", AUTO_MIN_EPOCHS, "cpu", "no", "", False),
+    ],
+)
+def test_auto_compiles_where_it_was_measured_to_pay(setting, epochs, device, precision, vendor, compiled):
+    assert should_compile(setting, epochs, device, precision, vendor) is compiled
