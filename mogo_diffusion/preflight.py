@@ -59,7 +59,7 @@ from typing import Any
 import torch
 
 from mogo_diffusion.config import Config, ConfigError, MarbleConfig
-from mogo_diffusion.hub import HUB_ID
+from mogo_diffusion.hub import CONFIG_FILES, HUB_ID, download_command
 
 __all__ = [
     "ACTIVATION_VALUES",
@@ -199,12 +199,6 @@ def _has_weights(folder: Path, variant: str | None = None) -> bool:
     return any(folder.glob(f"*{suffix}.safetensors")) or any(folder.glob(f"*{suffix}.bin"))
 
 
-def _download(repo: str, local: str | None = None, args: str = "", revision: str | None = None) -> str:
-    command = f"hf download {repo}{args}"
-    command += f" --revision {revision}" if revision else ""
-    return command + (f" --local-dir {local}" if local else "")
-
-
 def _check_pipeline(config: Config, report: Report) -> Path | None:
     """The pipeline's folder (local or the cached snapshot) if every component is there, else
     None; a problem per missing piece."""
@@ -212,14 +206,14 @@ def _check_pipeline(config: Config, report: Report) -> Path | None:
     ref, variant = model.pretrained, model.variant
     if _is_local(ref):
         folder = Path(ref).expanduser()
-        fetch = f"for SD3.5-M: {_download(SD35M, ref)}"
+        fetch = f"for SD3.5-M: {download_command(SD35M, local_dir=ref)}"
         if not (folder / "model_index.json").is_file():
             where = str(folder / "model_index.json")
             report.problems.append(f"model.pretrained: {where!r} not found: not a saved pipeline ({fetch})")
             return None
     else:
         index = _cached(ref, "model_index.json", model.revision)
-        fetch = _download(ref, revision=model.revision)
+        fetch = download_command(ref, revision=model.revision)
         if index is None:
             report.problems.append(f"model.pretrained: {ref!r} is not in the hub cache: {fetch}")
             return None
@@ -249,10 +243,8 @@ def _check_reference(where: str, kind: str, ref: str, default: Any, suggested: s
 
     checkpoints = {"hps": HPS_FILE, "imagereward": IMAGEREWARD_FILE}  # one file of a hub repository
     source = default if isinstance(default, str) and HUB_ID.fullmatch(default) else None
-    files = ' --include "*.json" "*.txt"'
-    args = ({"processor": files, "tokenizer": files} | {k: f" {n}" for k, n in checkpoints.items()}).get(
-        kind, ""
-    )
+    files = (checkpoints[kind],) if kind in checkpoints else ()
+    include = CONFIG_FILES if kind in ("processor", "tokenizer") else ()
     if _is_local(ref):
         path = Path(ref).expanduser()
         converted = kind == "imagereward" and (path / "config.json").is_file() and _has_weights(path)
@@ -273,9 +265,10 @@ def _check_reference(where: str, kind: str, ref: str, default: Any, suggested: s
         if present:
             return None
         local = str(path.parent if kind in checkpoints else path)
-        how = f": {_download(source, local, args)}" if source else ""
+        how = f": {download_command(source, *files, include=include, local_dir=local)}" if source else ""
         if suggested and not how:
-            how = f": a transformers model, e.g. {_download(suggested, local, args)}"
+            example = download_command(suggested, *files, include=include, local_dir=local)
+            how = f": a transformers model, e.g. {example}"
         if kind == "file" and not how:
             how = f" (see docs/rewards.rst for where {path.name} is published)"
         return f"{where}: {str(path)!r} not found{how}"
@@ -290,7 +283,7 @@ def _check_reference(where: str, kind: str, ref: str, default: Any, suggested: s
     cached = _cached(ref, probe)
     if cached is not None and (kind != "model" or _has_weights(cached.parent)):
         return None
-    return f"{where}: {ref!r} is not in the hub cache: {_download(ref, args=args)}"
+    return f"{where}: {ref!r} is not in the hub cache: {download_command(ref, *files, include=include)}"
 
 
 def _check_rewards(config: Config, report: Report) -> None:
