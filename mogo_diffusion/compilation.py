@@ -68,6 +68,6 @@ def should_compile(
 
 def compile_transformer(transformer: nn.Module) -> None:
     """Compile ``transformer``'s forward in place, its batch dimension dynamic (the sampler's,
-    the loss's and the evaluation's batch sizes share one graph). Call it after the adapters and
-    the attention processors are installed: they are part of the graph."""
+    the loss's and the evaluation's batch sizes share its graphs). Call it after the adapters and
+    the attention processors are installed: they are part of the graphs."""
     transformer.compile(dynamic=True)
