@@ -23,20 +23,21 @@ from typing import Literal
 
 from torch import nn
 
-__all__ = ["AUTO_MIN_EPOCHS", "compile_transformer", "cpu_vendor", "should_compile"]
+__all__ = ["AUTO_MIN_EPOCHS", "compile_transformer", "cpuinfo", "should_compile"]
 
 AUTO_MIN_EPOCHS = 20
 """``train.compile: auto`` compiles runs of at least this many epochs: below it the first
 compile (minutes on a CPU without a cache) costs more than it saves."""
 
 
-def cpu_vendor() -> str:
-    """The CPU's ``vendor_id`` (``"GenuineIntel"``, ``"AuthenticAMD"``), or ``""`` where
-    ``/proc/cpuinfo`` does not say."""
+def cpuinfo(key: str) -> str:
+    """The value of the first ``key`` line of ``/proc/cpuinfo`` (``cpuinfo("vendor_id")`` is
+    ``"GenuineIntel"`` or ``"AuthenticAMD"``), or ``""`` where it does not say."""
     try:
         for line in Path("/proc/cpuinfo").read_text().splitlines():
-            if line.startswith("vendor_id"):
-                return line.split(":", 1)[1].strip()
+            name, _, value = line.partition(":")
+            if name.strip() == key:
+                return value.strip()
     except OSError:
         pass
     return ""
@@ -50,7 +51,8 @@ def should_compile(
     vendor: str | None = None,
 ) -> bool:
     """``train.compile`` resolved for a run of ``epochs`` on ``device`` (``"cpu"``, ``"cuda"``)
-    under the resolved ``train.mixed_precision``; ``vendor`` defaults to :func:`cpu_vendor`.
+    under the resolved ``train.mixed_precision``; ``vendor`` defaults to the CPU's
+    (:func:`cpuinfo`).
 
     ``"auto"`` compiles where it was measured to pay (docs/benchmarks.rst, "Training speed"), in
     runs of at least :data:`AUTO_MIN_EPOCHS` epochs: on an Intel CPU (2.8-4x faster steps in
@@ -63,7 +65,7 @@ def should_compile(
         return False
     if device == "cuda" or precision == "bf16":
         return True
-    return precision == "no" and (cpu_vendor() if vendor is None else vendor) == "GenuineIntel"
+    return precision == "no" and (cpuinfo("vendor_id") if vendor is None else vendor) == "GenuineIntel"
 
 
 def compile_transformer(transformer: nn.Module) -> None:
