@@ -17,7 +17,7 @@ the trainer samples and ``--check`` counts.
 LoRA. DiffusionNFT evaluates one transformer three ways: the trained adapter (``"default"``), the
 old sampling adapter (``"old"``, an EMA of the trained one) and the base model (adapters disabled,
 the KL reference). :func:`add_lora` adds both adapters on
-:data:`~mogo_diffusion.config.LORA_TARGETS`; :func:`adapter` and :func:`reference` select what a
+:data:`~mogo_diffusion.config.schema.LORA_TARGETS`; :func:`adapter` and :func:`reference` select what a
 forward uses; :func:`ema_update` moves the old adapter,
 
 .. code-block:: text

@@ -1,83 +1,39 @@
-"""Run configuration: typed nested dataclasses, YAML files and dotted command-line overrides.
+"""The run's schema: typed nested dataclasses with their defaults, ranges and cross-field checks.
 
-.. code-block:: python
+Every field's default follows the published SD3.5-Medium multi-reward DiffusionNFT recipe.
+:meth:`~mogo_diffusion.config.Config.from_dict` builds a config from plain data
+(:func:`~mogo_diffusion.config.typed.build`) and :meth:`~mogo_diffusion.config.Config.validate`
+checks it, every error a :class:`~mogo_diffusion.config.ConfigError` naming the dotted field:
+types and unknown keys (with the closest known key), removed keys (:data:`REMOVED`, naming what
+replaces them), ranges (each field's ``check``), finite numbers in ``options``, reward weights
+against the strategy, sequential stages and the single strategy's reward against the configured
+rewards, and a local model directory that does not exist.
 
-    config = load_config("run.yaml", ["train.lr=1e-4", "rewards.0.weight=2"])
-    config.save(out_dir / "config.yaml")
-
-A file sets any subset of the fields below; the rest keep their defaults, which follow the
-published SD3.5-Medium multi-reward DiffusionNFT recipe. Values are parsed by ``yaml.safe_load``
-rules, except that ``1e-4`` is a float (YAML 1.2), not the string PyYAML makes of it, and that
-aliases (``*name``) are refused: they would let a few hundred bytes expand to gigabytes when the
-config is saved; a key given twice in one mapping is an error naming both lines (YAML would keep
-the last silently), and so is nesting deeper than :data:`MAX_DEPTH` levels. Overrides
-``KEY=VALUE`` take a dotted key (list entries by index: ``rewards.0.weight``; the index one past
-the end appends) and a YAML value (``train.lr=1e-4``, ``model.lora_targets=[to_q, to_k]``).
-
-``strategy`` is a tagged union keyed by ``strategy.name``: each strategy has its own fields
-(:class:`MarbleConfig`, :class:`WeightedSumConfig`, :class:`SequentialConfig`,
+``strategy`` is a tagged union keyed by ``strategy.name`` (``StrategyConfig``): each strategy
+has its own fields (:class:`MarbleConfig`, :class:`WeightedSumConfig`, :class:`SequentialConfig`,
 :class:`SingleConfig`, :class:`NormalizeThenSumConfig`, :class:`MarbleReleasedConfig`,
-:class:`FamoConfig`, and :class:`HarmonizedConfig` for any other name, a weighting registered
-in :data:`mogo.WEIGHTINGS`). Setting ``strategy.name`` to another strategy (in a file or an
-override) starts that strategy's fields from their defaults.
+:class:`FamoConfig`, and :class:`HarmonizedConfig` for any other name, a weighting registered in
+:data:`mogo.WEIGHTINGS`).
 
-Everything is validated here, and every error is a :class:`ConfigError` naming the dotted field:
-unknown keys (with the closest known key), removed keys (:data:`REMOVED`, naming what replaces
-them), types, ranges, finite numbers in ``options``, reward weights against the strategy,
-sequential stages and the single strategy's reward against the configured rewards, and a local
-model directory that does not exist. This module imports neither torch nor the rewards: reward
-names and options, weighting names, and what needs the file system or the model are checked by
-:func:`mogo_diffusion.checks.check_config`, which the trainer and ``--check`` both run.
+This module imports neither torch nor the rewards: reward names and options, weighting names, and
+what needs the file system or the model are checked by :func:`mogo_diffusion.checks.check_config`,
+which the trainer and ``--check`` both run.
 """
 
 from __future__ import annotations
 
-import argparse
 import dataclasses
 import math
 import os
-import re
-import types
-from collections.abc import Callable, Sequence
+from collections.abc import Callable
 from dataclasses import dataclass, field
 from pathlib import Path
-from typing import Any, Literal, Union, get_args, get_origin, get_type_hints
+from typing import Any, Literal
 
 import yaml
 
+from mogo_diffusion.config.typed import ConfigError, build, closest, join
 from mogo_diffusion.hub import HUB_ID
-
-__all__ = [
-    "LORA_TARGETS",
-    "MAX_DEPTH",
-    "REMOVED",
-    "Config",
-    "ConfigError",
-    "FamoConfig",
-    "HarmonizedConfig",
-    "MarbleConfig",
-    "MarbleReleasedConfig",
-    "ModelConfig",
-    "NFTConfig",
-    "NormalizeThenSumConfig",
-    "PromptSource",
-    "RewardSpec",
-    "SamplingConfig",
-    "SequentialConfig",
-    "SingleConfig",
-    "StageConfig",
-    "StrategyConfig",
-    "TrainConfig",
-    "WeightedSumConfig",
-    "add_config_arguments",
-    "config_from_args",
-    "load_config",
-]
-
-
-class ConfigError(ValueError):
-    """A configuration value is invalid; the message starts with the dotted field."""
-
 
 Check = tuple[str, Callable[[Any], bool]]
 POSITIVE: Check = ("> 0", lambda x: x > 0)
@@ -85,7 +41,6 @@ NON_NEGATIVE: Check = (">= 0", lambda x: x >= 0)
 FRACTION: Check = ("in (0, 1]", lambda x: 0 < x <= 1)
 DECAY: Check = ("in [0, 1)", lambda x: 0 <= x < 1)
 NON_EMPTY: Check = ("non-empty", bool)
-_INT64 = 2**63  # every int field must fit a signed 64-bit integer (torch's and numpy's)
 _FLOAT32_MAX = 3.4028234663852886e38  # the rewards are weighed in float32
 
 MAX_DEPTH = 32
@@ -96,8 +51,9 @@ REMOVED: dict[str, str] = {
     "sampling.steps_per_epoch": "nothing read it; train.steps_per_epoch is the field (optimizer steps "
     "per epoch)",
 }
-"""Fields that were removed, with why and what replaces them. Setting one is a :class:`ConfigError`
-that says so; ``null`` (how every run directory saved before the removal holds it) is ignored."""
+"""Fields that were removed, with why and what replaces them. Setting one is a
+:class:`~mogo_diffusion.config.ConfigError` that says so; ``null`` (how every run directory saved
+before the removal holds it) is ignored."""
 
 
 def _field(default: Any = dataclasses.MISSING, *, check: Check) -> Any:
@@ -394,16 +350,6 @@ StrategyConfig = (
     | HarmonizedConfig
 )
 
-_STRATEGIES: dict[str, type] = {
-    "marble": MarbleConfig,
-    "weighted_sum": WeightedSumConfig,
-    "sequential": SequentialConfig,
-    "single": SingleConfig,
-    "normalize_then_sum": NormalizeThenSumConfig,
-    "marble_released": MarbleReleasedConfig,
-    "famo": FamoConfig,
-}
-
 
 @dataclass
 class TrainConfig:
@@ -474,7 +420,7 @@ class Config:
     @classmethod
     def from_dict(cls, data: dict[str, Any]) -> Config:
         """Build and :meth:`validate` a config from plain data (missing fields keep defaults)."""
-        config = _build(cls, data, "")
+        config = build(cls, data, "", REMOVED)
         config.validate()
         return config
 
@@ -483,6 +429,7 @@ class Config:
         return dataclasses.asdict(self)
 
     def to_yaml(self) -> str:
+        """The config as YAML that :func:`~mogo_diffusion.config.load_config` reads back."""
         return yaml.safe_dump(self.to_dict(), sort_keys=False)
 
     def save(self, path: str | os.PathLike) -> None:
@@ -499,85 +446,6 @@ class Config:
         _check_strategy(self)
 
 
-def _join(path: str, key: Any) -> str:
-    return f"{path}.{key}" if path else str(key)
-
-
-def _closest(word: Any, choices: Sequence[str]) -> str:
-    from mogo.registry import closest  # here, not above: parsing a config imports no torch (mogo does)
-
-    return closest(word, choices)
-
-
-def _build(cls: type, data: Any, path: str) -> Any:
-    if not isinstance(data, dict):
-        raise ConfigError(f"{path or 'config'}: expected a mapping, got {type(data).__name__} {data!r}")
-    fields = dataclasses.fields(cls)
-    names = [f.name for f in fields]
-    data = {key: value for key, value in data.items() if not (_join(path, key) in REMOVED and value is None)}
-    for key in data:
-        if _join(path, key) in REMOVED:
-            raise ConfigError(f"{_join(path, key)}: this field was removed: {REMOVED[_join(path, key)]}")
-        if key not in names:
-            owner = f"strategy {data.get('name', 'marble')!r}" if path == "strategy" else path or "config"
-            raise ConfigError(
-                f"{_join(path, key)}: unknown key{_closest(key, names)}; {owner} has {', '.join(names)}"
-            )
-    for f in fields:
-        required = f.default is dataclasses.MISSING and f.default_factory is dataclasses.MISSING
-        if required and f.name not in data:
-            raise ConfigError(f"{_join(path, f.name)}: required")
-    hints = get_type_hints(cls)
-    return cls(**{key: _convert(value, hints[key], _join(path, key)) for key, value in data.items()})
-
-
-def _convert(value: Any, tp: Any, path: str) -> Any:
-    """``value`` as type ``tp``, or a ConfigError naming ``path``."""
-    origin, args = get_origin(tp), get_args(tp)
-    if dataclasses.is_dataclass(tp):
-        return _build(tp, value, path)
-    if origin in (Union, types.UnionType):
-        if value is None and type(None) in args:
-            return None
-        if all(dataclasses.is_dataclass(a) for a in args):  # the tagged union: by ``name``
-            name = value.get("name", "marble") if isinstance(value, dict) else None
-            if not isinstance(name, str) or not name:
-                raise ConfigError(f"{path}.name: expected a strategy name, got {name!r}")
-            return _build(_STRATEGIES.get(name, HarmonizedConfig), value, path)
-        inner = [a for a in args if a is not type(None)]
-        if len(inner) > 1:  # ``str | list[...]``: the value's own shape picks the type
-            if not isinstance(value, str | list):
-                raise ConfigError(
-                    f"{path}: expected a string or a list, got {type(value).__name__} {value!r}"
-                )
-            inner = [a for a in inner if (get_origin(a) is list) == isinstance(value, list)]
-        return _convert(value, inner[0], path)
-    if origin is Literal:
-        if any(type(value) is type(a) and value == a for a in args):
-            return value
-        hint = _closest(value, [str(a) for a in args])
-        raise ConfigError(f"{path}: must be one of {', '.join(map(repr, args))}, got {value!r}{hint}")
-    if origin is list:
-        if not isinstance(value, list):
-            raise ConfigError(f"{path}: expected a list, got {type(value).__name__} {value!r}")
-        return [_convert(item, args[0], _join(path, i)) for i, item in enumerate(value)]
-    if origin is dict:
-        if not isinstance(value, dict) or not all(isinstance(k, str) for k in value):
-            raise ConfigError(f"{path}: expected a mapping with string keys, got {value!r}")
-        return dict(value)
-    if tp is Any:
-        return value
-    if tp is float and isinstance(value, int | float) and not isinstance(value, bool):
-        if not math.isfinite(value):
-            raise ConfigError(f"{path}: must be finite, got {value!r}")
-        return float(value)
-    if isinstance(value, tp) and not (tp is int and isinstance(value, bool)):
-        if tp is int and not -_INT64 <= value < _INT64:
-            raise ConfigError(f"{path}: must fit a 64-bit integer (|value| < 2**63), got {value}")
-        return value
-    raise ConfigError(f"{path}: expected {tp.__name__}, got {type(value).__name__} {value!r}")
-
-
 def _check_free_form(value: Any, path: str) -> None:
     """A value the schema does not type (``options``): nested at most :data:`MAX_DEPTH` keys deep
     (deeper ones overflow the recursion of saving and copying), its numbers finite, as typed
@@ -588,7 +456,7 @@ def _check_free_form(value: Any, path: str) -> None:
         raise ConfigError(f"{path}: must be finite, got {value!r}")
     items = value.items() if isinstance(value, dict) else enumerate(value) if isinstance(value, list) else ()
     for key, item in items:
-        _check_free_form(item, _join(path, key))
+        _check_free_form(item, join(path, key))
 
 
 def _check_ranges(node: Any, path: str) -> None:
@@ -599,12 +467,12 @@ def _check_ranges(node: Any, path: str) -> None:
         return
     if isinstance(node, list):
         for i, item in enumerate(node):
-            _check_ranges(item, _join(path, i))
+            _check_ranges(item, join(path, i))
         return
     if not dataclasses.is_dataclass(node):
         return
     for f in dataclasses.fields(node):
-        value, where = getattr(node, f.name), _join(path, f.name)
+        value, where = getattr(node, f.name), join(path, f.name)
         check = f.metadata.get("check")
         if check is not None and value is not None and not check[1](value):
             raise ConfigError(f"{where}: must be {check[0]}, got {value!r}")
@@ -670,7 +538,7 @@ def _check_strategy(config: Config) -> None:
     def check_reward(name: str, where: str) -> None:
         if name not in names:
             raise ConfigError(
-                f"{where}: {name!r} is not a configured reward{_closest(name, names)}; rewards: {names}"
+                f"{where}: {name!r} is not a configured reward{closest(name, names)}; rewards: {names}"
             )
 
     if isinstance(strategy, SequentialConfig):
@@ -699,163 +567,3 @@ def _check_weight_scale(rewards: list[RewardSpec]) -> None:
             f"number {_FLOAT32_MAX:.4g}, in which the trainer weighs the rewards; they are relative: "
             f"scale them down"
         )
-
-
-class _Loader(yaml.SafeLoader):
-    """``yaml.SafeLoader`` that reads YAML 1.2 floats such as ``1e-4`` and YAML 1.2 booleans (only
-    ``true`` and ``false``: ``no``, ``yes``, ``on`` and ``off`` stay strings, so
-    ``train.mixed_precision=no`` is the string its field takes), and refuses aliases, keys given
-    twice in a mapping and nesting deeper than :data:`MAX_DEPTH`."""
-
-    def __init__(self, stream: str) -> None:
-        super().__init__(stream)
-        self.depth = 0  # the collections around the node being composed
-
-    def compose_node(self, parent: Any, index: Any) -> Any:
-        event = self.peek_event()
-        mark = event.start_mark
-        if isinstance(event, yaml.AliasEvent):
-            raise ConfigError(
-                f"{mark.name}: line {mark.line + 1}: YAML aliases (*{event.anchor}) are not allowed in a "
-                "config; write the value out"
-            )
-        if self.depth > MAX_DEPTH:  # before the composer's recursion overflows Python's stack
-            raise ConfigError(f"{mark.name}: line {mark.line + 1}: nested deeper than {MAX_DEPTH} levels")
-        self.depth += 1
-        try:
-            return super().compose_node(parent, index)
-        finally:
-            self.depth -= 1
-
-    def construct_mapping(self, node: yaml.MappingNode, deep: bool = False) -> dict[Any, Any]:
-        first: dict[Any, yaml.Node] = {}
-        for key_node, _ in node.value:
-            if not isinstance(key_node, yaml.ScalarNode) or key_node.tag == "tag:yaml.org,2002:merge":
-                continue  # a collection as a key is refused below; ``<<`` merges are YAML's overrides
-            key = self.construct_object(key_node)
-            if key in first:
-                mark, before = key_node.start_mark, first[key].start_mark
-                raise ConfigError(
-                    f"{mark.name}: line {mark.line + 1}: key {key!r} is given twice in one mapping "
-                    f"(first on line {before.line + 1}); YAML would keep the last silently"
-                )
-            first[key] = key_node
-        return super().construct_mapping(node, deep=deep)
-
-
-_BOOL = "tag:yaml.org,2002:bool"
-_Loader.yaml_implicit_resolvers = {
-    first: [(tag, pattern) for tag, pattern in resolvers if tag != _BOOL]
-    for first, resolvers in yaml.SafeLoader.yaml_implicit_resolvers.items()
-}
-_Loader.add_implicit_resolver(_BOOL, re.compile(r"^(?:true|True|TRUE|false|False|FALSE)$"), list("tTfF"))
-_Loader.add_implicit_resolver(
-    "tag:yaml.org,2002:float",
-    re.compile(r"^[-+]?(?:[0-9][0-9_]*(?:\.[0-9_]*)?|\.[0-9_]+)[eE][-+]?[0-9]+$"),
-    list("-+0123456789."),
-)
-
-
-def _parse_yaml(text: str, source: str) -> Any:
-    loader = _Loader(text)  # a SafeLoader: no arbitrary objects
-    loader.name = source
-    try:
-        return loader.get_single_data()
-    except yaml.YAMLError as error:
-        raise ConfigError(f"{source}: not valid YAML: {error}") from None
-    finally:
-        loader.dispose()
-
-
-def _merge(base: Any, update: Any, path: str = "") -> Any:
-    """``update`` over ``base``: mappings merge key by key, anything else is replaced; a tagged
-    section (``strategy``) whose ``name`` changes is replaced whole."""
-    if isinstance(base, dict) and isinstance(update, dict):
-        if path == "strategy" and update.get("name", base.get("name")) != base.get("name"):
-            return update
-        return {**base, **{k: _merge(base.get(k), v, _join(path, k)) for k, v in update.items()}}
-    return update
-
-
-def _set(data: dict[str, Any], override: str) -> None:
-    """Apply one ``KEY=VALUE`` override to plain data."""
-    key, sep, text = override.partition("=")
-    if not sep or not key or any(not part for part in key.split(".")):
-        raise ConfigError(f"override {override!r}: expected KEY=VALUE with a dotted KEY, e.g. train.lr=1e-4")
-    value = _parse_yaml(text, f"override {override!r}")
-    parts = key.split(".")
-    if parts == ["strategy", "name"] and isinstance(value, str) and value != data["strategy"].get("name"):
-        data["strategy"] = {**dataclasses.asdict(_STRATEGIES.get(value, HarmonizedConfig)()), "name": value}
-        return  # another strategy, its fields at their defaults
-    node: Any = data
-    for depth, part in enumerate(parts):
-        last, where = depth == len(parts) - 1, ".".join(parts[: depth + 1])
-        if isinstance(node, list):
-            if not part.isdigit() or int(part) > len(node):
-                raise ConfigError(
-                    f"{where}: no entry {part!r} in a list of {len(node)} ({len(node)} appends)"
-                )
-            index = int(part)
-            if index == len(node):
-                node.append({})
-            if last:
-                node[index] = value
-            node = node[index]
-        elif isinstance(node, dict):
-            if last:
-                node[part] = value
-            elif not isinstance(node.get(part), dict | list):
-                node[part] = {}
-            node = node[part]
-        else:
-            raise ConfigError(f"{where}: cannot set a key inside {type(node).__name__} {node!r}")
-
-
-def _read_file(path: Path) -> Any:
-    """The mapping in the YAML file at ``path``, or a ConfigError saying what is wrong with it."""
-    if path.is_dir():
-        raise ConfigError(f"config file {str(path)!r} is a directory, not a YAML file")
-    if not path.is_file():
-        raise ConfigError(f"config file {str(path)!r} does not exist")
-    try:
-        text = path.read_bytes().decode("utf-8")
-    except UnicodeDecodeError as error:
-        raise ConfigError(
-            f"config file {str(path)!r} is not UTF-8 text (byte {error.start}: {error.reason})"
-        ) from None
-    loaded = _parse_yaml(text, str(path))
-    if loaded is not None and not isinstance(loaded, dict):
-        raise ConfigError(f"{path}: expected a mapping at the top level, got {type(loaded).__name__}")
-    return loaded or {}
-
-
-def load_config(
-    path: str | os.PathLike | None = None, overrides: Sequence[str] = (), defaults: Config | None = None
-) -> Config:
-    """``defaults`` (:class:`Config`'s own if None), updated by the YAML file at ``path`` (if
-    given), then by ``overrides``."""
-    data = (defaults or Config()).to_dict()
-    if path is not None:
-        data = _merge(data, _read_file(Path(path)))
-    for override in overrides:
-        _set(data, override)
-    return Config.from_dict(data)
-
-
-def add_config_arguments(parser: argparse.ArgumentParser) -> argparse.ArgumentParser:
-    """Add ``--config PATH`` and repeatable ``--set KEY=VALUE`` to ``parser``."""
-    parser.add_argument("--config", type=Path, default=None, help="YAML config file")
-    parser.add_argument(
-        "--set",
-        dest="overrides",
-        action="append",
-        default=[],
-        metavar="KEY=VALUE",
-        help="override a field, e.g. --set train.lr=1e-4 (repeatable)",
-    )
-    return parser
-
-
-def config_from_args(args: argparse.Namespace, defaults: Config | None = None) -> Config:
-    """The config of a namespace parsed with :func:`add_config_arguments`, over ``defaults``."""
-    return load_config(args.config, args.overrides, defaults)
