@@ -13,12 +13,14 @@ loss of :mod:`mogo_diffusion.nft`, the strategy's backward and reduction) and
 components: a pipeline of the transformer and its scheduler alone. For the weighted sum, MARBLE
 N = 1 and MARBLE N = 10 (a whole cycle of 10 steps) it measures the images per second of training
 steps (``batch`` images at ``timesteps`` trained timesteps each; the recipe trains 24, the time
-grows with it linearly) and the peak memory; then it profiles one harmonization step of MARBLE
-N = 1 and gives the shares of mogo's ranges in it (``mogo.objective_grads`` the K gradients,
-``mogo.gramian``, ``mogo.weighting`` the min-norm solve, ``mogo.combine``, ``mogo.report``).
-Writes JSON.
+grows with it linearly) and the peak memory, eager and compiled side by side (``--compile``, the
+trainer's ``train.compile``; the compiled trainer's first step, timed apart, pays the compilation)
+under ``--mixed-precision`` (``train.mixed_precision``); then it profiles one harmonization step
+of MARBLE N = 1 and gives the shares of mogo's ranges in it (``mogo.objective_grads`` the K
+gradients, ``mogo.gramian``, ``mogo.weighting`` the min-norm solve, ``mogo.combine``,
+``mogo.report``). Writes JSON.
 
-    python benchmarks/gpu_check.py --out gpu_check.json          # one GPU, about 3 to 5 minutes
+    python benchmarks/gpu_check.py --out gpu_check.json          # one GPU, about 5 to 8 minutes
     python benchmarks/gpu_check.py --tiny --out tiny.json        # the same on the CPU, tiny SD3
 """
 
@@ -103,7 +105,7 @@ def random_batch(transformer: torch.nn.Module, args: argparse.Namespace, device:
                  (sigmas * 1000).to(device), images)  # fmt: skip
 
 
-def run_config(args: argparse.Namespace, strategy: dict[str, Any]) -> Config:
+def run_config(args: argparse.Namespace, strategy: dict[str, Any], compiled: bool) -> Config:
     return Config.from_dict(
         {
             "model": {"pretrained": SD35M, "dtype": "float32" if args.tiny else "bfloat16",
@@ -112,8 +114,8 @@ def run_config(args: argparse.Namespace, strategy: dict[str, Any]) -> Config:
             "sampling": {"resolution": args.resolution},
             "rewards": [{"name": name, "weight": 1.0} for name in REWARDS],
             "strategy": strategy,
-            "train": {"batch_size": args.batch, "mixed_precision": "no" if args.tiny else "bf16",
-                      "compile": "no"},  # eager steps, as measured so far
+            "train": {"batch_size": args.batch, "mixed_precision": args.mixed_precision,
+                      "compile": "yes" if compiled else "no"},
         }
     )  # fmt: skip
 
@@ -173,8 +175,18 @@ def main(argv: list[str] | None = None) -> dict[str, Any]:
     parser.add_argument(
         "--steps", type=int, default=10, help="timed steps a strategy (>= 10: a MARBLE cycle)"
     )
+    parser.add_argument(
+        "--compile", choices=("no", "yes", "both"), default="both", help="eager steps, compiled ones, or both"
+    )
+    parser.add_argument(
+        "--mixed-precision",
+        choices=("no", "bf16", "fp16"),
+        default=None,
+        help="the autocast (bf16; tiny: no)",
+    )
     parser.add_argument("--seed", type=int, default=0)
     args = parser.parse_args(argv)
+    args.mixed_precision = args.mixed_precision or ("no" if args.tiny else "bf16")
     if args.tiny:
         args.batch, args.rank, args.resolution, args.max_sequence_length = args.batch or 4, 4, 32, 16
     else:
@@ -201,22 +213,33 @@ def main(argv: list[str] | None = None) -> dict[str, Any]:
         "lora_parameters": sum(p.numel() for p in models.lora_parameters(transformer)),
         "rewards": len(REWARDS),
         **{k: getattr(args, k) for k in ("batch", "timesteps", "steps", "resolution", "max_sequence_length")},
+        "mixed_precision": args.mixed_precision,
         "strategies": {},
     }
-    for i, (label, strategy) in enumerate(STRATEGIES.items()):
-        trainer = step_trainer(transformer, run_config(args, strategy), device)
-        train_steps(trainer, batch, args, 1, seed=2 * i)  # warm-up (and N=10's first harmonization)
-        if device.type == "cuda":
-            torch.cuda.reset_peak_memory_stats(device)
-        seconds = train_steps(trainer, batch, args, args.steps, seed=2 * i + 1)
-        result["strategies"][label] = {
-            "images_per_second": args.batch * args.steps / seconds,
-            "seconds_per_step": seconds / args.steps,
-            "peak_memory_bytes": torch.cuda.max_memory_allocated(device) if device.type == "cuda" else None,
-        }
-        if label == "marble N=1":
-            result["harmonization"] = profile_harmonization(trainer, batch, args)
-        del trainer
+    modes = {"no": [False], "yes": [True], "both": [False, True]}[args.compile]
+    for compiled in modes:  # eager first: compiling changes the shared transformer in place
+        for i, (label, strategy) in enumerate(STRATEGIES.items()):
+            trainer = step_trainer(transformer, run_config(args, strategy, compiled), device)
+            first = train_steps(trainer, batch, args, 1, seed=2 * i)  # warm-up (N=10: a harmonization)
+            if device.type == "cuda":
+                torch.cuda.reset_peak_memory_stats(device)
+            seconds = train_steps(trainer, batch, args, args.steps, seed=2 * i + 1)
+            result["strategies"].setdefault(label, {})["compiled" if compiled else "eager"] = {
+                "images_per_second": args.batch * args.steps / seconds,
+                "seconds_per_step": seconds / args.steps,
+                "first_step_seconds": first,
+                "peak_memory_bytes": torch.cuda.max_memory_allocated(device)
+                if device.type == "cuda"
+                else None,
+            }
+            if label == "marble N=1" and "harmonization" not in result:
+                result["harmonization"] = profile_harmonization(trainer, batch, args)
+            del trainer
+    for measured in result["strategies"].values():
+        if len(measured) == 2:
+            measured["compiled / eager"] = (
+                measured["compiled"]["images_per_second"] / measured["eager"]["images_per_second"]
+            )
     args.out.write_text(json.dumps(result, indent=2))
     print(json.dumps(result, indent=2))
     return result

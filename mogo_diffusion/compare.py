@@ -721,7 +721,9 @@ def run_all(
     finished run (in its directory, or in ``packed``, the compact runs by their directory under
     ``base.parent.parent``), resume or restart an unfinished one of the same config, start a new
     one; returns the pretrained model's held-out means, evaluated once and cached at ``base``
-    (:func:`evaluate_base`). A line says what is done with each run (:func:`report`).
+    (:func:`evaluate_base`). A line says what is done with each run (:func:`report`). Runs start
+    seed by seed (every arm's seed 0, then seed 1, ...), so that a comparison stopped part-way has
+    whole seeds to judge.
 
     With ``final`` (a prompt source), each run's last weights are then evaluated on it once
     (:data:`FINAL_EVAL` in the run, read by :func:`final_means`).
@@ -736,6 +738,7 @@ def run_all(
     _refused(decisions, configs, "nothing trained")
     means = evaluate_base(next(iter(configs.values())), base)
     todo = {key: c for key, c in configs.items() if decisions[key].action != "reuse"}
+    todo = dict(sorted(todo.items(), key=lambda item: item[1].train.seed))  # stable: arms in order
     with (
         ThreadPoolExecutor(max_workers=jobs) as pool,
         tqdm(total=len(configs), initial=len(configs) - len(todo), desc="runs") as bar,
@@ -807,8 +810,9 @@ def gather(
     """Train what is missing of the runs ``configs`` (:func:`run_all`), or with ``train`` False
     read what has finished (a run that would be trained or evaluated leaves its seed out; a run
     without a record is read as it is), then read every run: from its directory under
-    ``out/runs``, else from ``out/RUNS_FILE``. The finished runs are then written to
-    ``out/RUNS_FILE`` in compact form (the packed runs of other configs kept).
+    ``out/runs``, else from ``out/RUNS_FILE``. Every finished run, of a seed left out too, is then
+    written to ``out/RUNS_FILE`` in compact form (the packed runs of other configs kept): a long
+    comparison's finished part can be committed and its run directories lost.
 
     Raises:
         RunDirError: a run is refused (another config's, a damaged one, one in use; and to train,
@@ -826,13 +830,14 @@ def gather(
         _refused(decisions, configs, "nothing read")
         skipped = {configs[key].train.seed for key, d in decisions.items() if d.action == "skip"}
         kept = {key: c for key, c in configs.items() if c.train.seed not in skipped}
+        finished = {key: c for key, c in configs.items() if decisions[key].action == "reuse"}
         base = evaluate_base(first, runs / "base" / "eval.json", legacy=True)
     judged_base = base
     if final is not None:
         cache = runs / "base" / "final_eval.json"
         judged_base = evaluate_base(first, cache, prompts=final, legacy=not train)
     results = {key: _results(c, runs, packed, final is not None) for key, c in kept.items()}
-    _pack(out, kept, packed)
+    _pack(out, configs if train else finished, packed)  # a seed left out keeps its finished runs
     seeds = sorted({c.train.seed for c in kept.values()})
     return Gathered(seeds, base, judged_base, results)
 

@@ -178,7 +178,9 @@ def sample(
         for i, t in enumerate(timesteps.to(device)):
             v = transformer(
                 hidden_states=x.to(dtype),
-                timestep=t.expand(batch),
+                # a copy, not a view of the grid: a compiled transformer specialises on a view's
+                # storage offset (0, 1 and the rest: three graphs), and on a copy's it cannot
+                timestep=t.repeat(batch),
                 encoder_hidden_states=embeds,
                 pooled_projections=pooled,
                 return_dict=False,

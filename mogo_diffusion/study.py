@@ -12,7 +12,8 @@ seeds on two reward sets, frozen before any run:
 
 The specialists (``single:<reward>``) are trained once, with every reward evaluated, and belong to
 both sets; the multi-reward arms (:data:`ARMS`) and the ablations (:data:`~mogo_diffusion.compare.ABLATIONS`,
-on ``prompt_following``) are trained for each set. Runs live in ``OUT/runs/<set or
+on ``prompt_following``) are trained for each set, and with ``--front`` each set's weighted-sum
+front (its K + 1 weight vectors). Runs live in ``OUT/runs/<set or
 specialists>/<arm>/seed<s>``; a finished run of the same config is never rerun and an unfinished
 one is resumed, so the study can be stopped and continued (:func:`compare.gather
 <mogo_diffusion.compare.gather>`, which refuses the runs of another config, never deleting them).
@@ -64,7 +65,7 @@ from typing import Any
 import numpy as np
 from scipy.stats import spearmanr
 
-from mogo_diffusion import analysis, compare, tables
+from mogo_diffusion import analysis, compare, run_dir, tables
 from mogo_diffusion.bootstrap import bootstrap_interval, paired_interval
 from mogo_diffusion.config import Config
 from mogo_diffusion.run_dir import RunDirError
@@ -122,11 +123,14 @@ def plan(
     seeds: Sequence[int] = range(5),
     epochs: int = compare.EPOCHS,
     quick: bool = False,
+    front: bool = False,
 ) -> dict[tuple[str, str, int], Config]:
     """Every run of the study, ``(group, arm, seed) -> config``, where ``group`` is a reward set
     or ``"specialists"`` (trained once on every reward; by default one for each reward of the
     sets), each :func:`compare.plan <mogo_diffusion.compare.plan>`'s on the shapes world
-    (:func:`~mogo_diffusion.compare.default_base`). Ablations run on the first set."""
+    (:func:`~mogo_diffusion.compare.default_base`). Ablations run on the first set; with
+    ``front``, each set adds the weighted-sum front of its K rewards
+    (:func:`~mogo_diffusion.compare.front_arms`), but for a point that is already an arm."""
     rewards = sorted({r for name in sets for r in REWARD_SETS[name]}, key=REWARDS.index)
     if specialists is not None:
         if unknown := sorted(set(specialists) - set(rewards)):
@@ -135,7 +139,17 @@ def plan(
     options = {"base": compare.default_base(quick), "epochs": epochs, "quick": quick}
     groups = {SPECIALISTS: ([f"single:{r}" for r in rewards], None)}
     for index, name in enumerate(sets):
-        groups[name] = ([*arms, *(ablations if index == 0 else ())], REWARD_SETS[name])
+        chosen = [*arms, *(ablations if index == 0 else ())]
+        if front:
+
+            def fingerprint(arm: str, rewards: Sequence[str] = REWARD_SETS[name]) -> str:
+                config = compare.arm_config(arm, 0, out, base=options["base"], rewards=rewards, quick=quick)
+                return run_dir.fingerprint(config)
+
+            taken = {fingerprint(arm) for arm in chosen}
+            points = compare.front_arms(len(REWARD_SETS[name]))
+            chosen += [arm for arm in points if fingerprint(arm) not in taken]
+        groups[name] = (chosen, REWARD_SETS[name])
     return {
         (group, arm, seed): config
         for group, (chosen, names) in groups.items()
@@ -165,8 +179,8 @@ def analyse(
         :func:`~mogo_diffusion.analysis.summarize`'s summary against :data:`REFERENCE` (per arm
         its per-seed ``means`` per reward and ``composite``, and its ``vs_reference`` and
         ``vs_base`` intervals), with ``specialists`` (:func:`specialist_gains`), ``claims``
-        (:func:`claims`) and ``judged`` (:func:`~mogo_diffusion.analysis.judge`, the weighted
-        sum its own front).
+        (:func:`claims`) and ``judged`` (:func:`~mogo_diffusion.analysis.judge` against the
+        weighted-sum front: the arms ``weighted_sum@w`` of ``--front`` and the weighted sum).
     """
     seeds = sorted(histories[REFERENCE])
 
@@ -178,7 +192,8 @@ def analyse(
     summary = analysis.summarize(names, [base[f"eval/{name}"] for name in names], means, REFERENCE)
     summary["specialists"] = specialist_gains(summary)
     summary["claims"] = claims(summary, histories)
-    summary["judged"] = analysis.judge(summary, reference=REFERENCE, front=[REFERENCE])
+    front = [arm for arm in histories if arm == REFERENCE or arm.startswith(f"{REFERENCE}@")]
+    summary["judged"] = analysis.judge(summary, reference=REFERENCE, front=front)
     return summary
 
 
@@ -354,6 +369,9 @@ def _parser() -> argparse.ArgumentParser:
     parser.add_argument("--arms", default=",".join(ARMS), help="comma-separated multi-reward arms")
     parser.add_argument("--no-ablations", action="store_true", help="leave the ablation arms out")
     parser.add_argument(
+        "--front", action="store_true", help="add each set's weighted-sum front (K + 1 weight vectors)"
+    )
+    parser.add_argument(
         "--last-evaluation", action="store_true",
         help="judge each run by its last evaluation in training (as the first study did), not a final one",
     )  # fmt: skip
@@ -381,6 +399,7 @@ def main(argv: list[str] | None = None) -> dict:
             args.out, sets=sets, arms=arms, ablations=() if args.no_ablations else compare.ABLATIONS,
             specialists=None if args.specialists == "all" else args.specialists.split(","),
             seeds=range(args.seeds), epochs=args.epochs or compare.EPOCHS, quick=args.quick,
+            front=args.front,
         )  # fmt: skip
     except (ValueError, FileNotFoundError) as error:
         parser.error(str(error))

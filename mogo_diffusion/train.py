@@ -520,7 +520,7 @@ class Trainer:
         dtype = self.transformer.dtype
         inputs = {
             "hidden_states": x_t.to(dtype),
-            "timestep": batch.timesteps[j].expand(len(index)).to(x_t.device),
+            "timestep": batch.timesteps[j].repeat(len(index)).to(x_t.device),  # a copy: one compiled graph
             "encoder_hidden_states": batch.embeds[index].to(dtype),
             "pooled_projections": batch.pooled[index].to(dtype),
             "return_dict": False,

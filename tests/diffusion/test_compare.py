@@ -234,6 +234,18 @@ def test_a_finished_comparison_is_reused_and_remade_from_its_compact_runs(quick,
 
 
 @pytest.mark.spawns
+def test_reading_packs_every_finished_run_a_seed_left_out_included(quick, tmp_path):
+    argv, out = copy_out(quick, tmp_path)
+    (out / compare.RUNS_FILE).unlink()
+    (compare.run_directory(out, "marble", 1) / run_dir.FINISHED).unlink()  # an unfinished run
+    results = compare.main([*argv, "--no-train"])
+    assert results["seeds"] == [0]  # the tables leave seed 1 out
+    packed = run_dir.read_packed(out / compare.RUNS_FILE)
+    assert sorted(packed) == ["marble/seed0", "weighted_sum/seed0", "weighted_sum/seed1"]
+    assert packed["weighted_sum/seed1"] == run_dir.compact(compare.run_directory(out, "weighted_sum", 1))
+
+
+@pytest.mark.spawns
 def test_a_final_evaluation_judges_each_run_and_the_pretrained_model_on_its_prompts(quick, tmp_path):
     argv, out = copy_out(quick, tmp_path)
     results = compare.main([*argv, "--seed", "1", "--final", "shapes:heldout:4"])  # trained: evaluated only

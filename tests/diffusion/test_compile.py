@@ -49,8 +49,8 @@ def inputs(transformer, batch: int, dtype: torch.dtype = torch.float32) -> dict:
     size = config.sample_size
     return {
         "hidden_states": torch.randn(batch, config.in_channels, size, size, generator=generator, dtype=dtype),
-        # as the sampler and the trainer pass it: an element of the grid of timesteps, expanded
-        "timestep": torch.linspace(100.0, 900.0, STEPS, dtype=dtype)[1].expand(batch),
+        # as the sampler and the trainer pass it: an element of the grid of timesteps, repeated
+        "timestep": torch.linspace(100.0, 900.0, STEPS, dtype=dtype)[1].repeat(batch),
         "encoder_hidden_states": torch.randn(
             batch, TOKENS, config.joint_attention_dim, generator=generator, dtype=dtype
         ),

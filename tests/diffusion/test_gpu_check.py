@@ -10,7 +10,7 @@ from tests.test_examples import load
 ROOT = Path(__file__).resolve().parents[2]
 
 
-def test_the_gpu_check_runs_the_trainer_s_step_for_each_strategy_and_writes_json(tmp_path):
+def test_the_gpu_check_runs_the_trainer_s_step_for_each_strategy_eager_and_compiled_and_writes_json(tmp_path):
     check = load(ROOT / "benchmarks" / "gpu_check.py")
     out = tmp_path / "check.json"
     result = check.main(["--tiny", "--out", str(out), "--steps", "2"])
@@ -18,9 +18,14 @@ def test_the_gpu_check_runs_the_trainer_s_step_for_each_strategy_and_writes_json
     assert list(result["strategies"]) == ["weighted sum", "marble N=1", "marble N=10"]
     assert result["rewards"] == 5
     assert result["lora_parameters"] > 0
+    assert result["mixed_precision"] == "no"
     for measured in result["strategies"].values():
-        assert measured["images_per_second"] > 0
-        assert measured["peak_memory_bytes"] is None  # measured on a GPU only
+        assert set(measured) == {"eager", "compiled", "compiled / eager"}
+        for mode in ("eager", "compiled"):
+            assert measured[mode]["images_per_second"] > 0
+            assert measured[mode]["peak_memory_bytes"] is None  # measured on a GPU only
+        ratio = measured["compiled"]["images_per_second"] / measured["eager"]["images_per_second"]
+        assert measured["compiled / eager"] == ratio
     harmonization = result["harmonization"]
     assert harmonization["clock"] == "host"
     assert list(harmonization["shares"]) == list(check.REGIONS)

@@ -107,6 +107,20 @@ def test_the_plan_shares_specialists_between_the_sets_and_runs_ablations_on_the_
         study.plan(tmp_path, specialists=["sharpness"])
 
 
+def test_the_front_adds_each_sets_weight_vectors_but_the_weighted_sum_it_already_has(tmp_path):
+    runs = study.plan(tmp_path, arms=("weighted_sum",), ablations=(), seeds=range(1), front=True)
+    for name, rewards in study.REWARD_SETS.items():
+        arms = [arm for group, arm, _ in runs if group == name]
+        doubled = [
+            f"weighted_sum@{','.join('2' if i == k else '1' for i in range(len(rewards)))}"
+            for k in range(len(rewards))
+        ]
+        assert arms == ["weighted_sum", *doubled]  # the uniform point is the weighted sum's run
+        for k, arm in enumerate(doubled):
+            weights = [spec.weight for spec in runs[name, arm, 0].rewards]
+            assert weights == [2.0 if i == k else 1.0 for i in range(len(rewards))]
+
+
 def test_bad_arguments_are_named(tmp_path):
     with pytest.raises(SystemExit):
         study.main(["--out", str(tmp_path), "--sets", "colours"])
