@@ -9,11 +9,10 @@ graphs of a run's first epochs (with and without gradients, in training and eval
 serve them all, at every batch size: nothing recompiles after them
 (``tests/diffusion/test_compile.py`` proves it with ``torch.compiler.set_stance("fail_on_recompile")``).
 
-The first compile takes minutes on a CPU (five for the shapes world's transformer on the 2-core
-AMD EPYC, one thread); inductor keeps what it compiled
-on disk (``TORCHINDUCTOR_CACHE_DIR``, by default ``/tmp/torchinductor_<user>``), so later runs on
-the same machine, the runs of a study included, load it in seconds (docs/benchmarks.rst,
-"Training speed").
+The first compile takes minutes on a CPU; inductor keeps what it compiled on disk
+(``TORCHINDUCTOR_CACHE_DIR``, by default ``/tmp/torchinductor_<user>``), so later runs on the same
+machine, the runs of a study included, load it, though dynamo still traces the graphs again in
+every new process (docs/benchmarks.rst, "Training speed", has the times).
 """
 
 from __future__ import annotations
@@ -55,10 +54,9 @@ def should_compile(
     (:func:`cpuinfo`).
 
     ``"auto"`` compiles where it was measured to pay (docs/benchmarks.rst, "Training speed"), in
-    runs of at least :data:`AUTO_MIN_EPOCHS` epochs: on an Intel CPU (2.8-4x faster steps in
-    float32), on an AMD one under a bfloat16 autocast only (1.35-1.45x on a Zen 5 with AVX-512
-    BF16; in float32 1.1x, against minutes of a first compile), and on CUDA (a choice, not a
-    measurement: no GPU has been lent to the project)."""
+    runs of at least :data:`AUTO_MIN_EPOCHS` epochs: on an Intel CPU, on an AMD one under a
+    bfloat16 autocast only (in float32 the gain there is small against a first compile of
+    minutes), and on CUDA (a choice, not a measurement: no GPU has been lent to the project)."""
     if setting != "auto":
         return setting == "yes"
     if epochs < AUTO_MIN_EPOCHS:

@@ -122,8 +122,8 @@ class OcrReward:
             px). Clean renders of 8 to 12 px text on 32 to 64 px images read correctly without it.
         options: keyword arguments for ``rapidocr_onnxruntime.RapidOCR``, over the defaults
             ``{"use_cls": False}`` (no angle classifier, as in Flow-GRPO); e.g. ``text_score`` (drop
-            boxes recognised below this confidence, 0.5), ``det_limit_side_len`` (736; 320 is about
-            4x faster on small images) or ``intra_op_num_threads``.
+            boxes recognised below this confidence, 0.5), ``det_limit_side_len`` (736; a smaller
+            side is faster on small images) or ``intra_op_num_threads``.
 
     Raises:
         ImportError: RapidOCR is not installed.
