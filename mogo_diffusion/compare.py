@@ -869,7 +869,10 @@ def _pack(out: Path, configs: Mapping[tuple, Config], packed: Mapping[str, Mappi
 
 
 _CONFLICTS = ("conflict_rate", "worst_cosine_weighted_sum", "worst_cosine_marble")
-"""The conflict statistics a harmonized run logs each epoch (:class:`mogo.ConflictReport`)."""
+"""The conflict statistics a harmonized run logs each epoch (:class:`mogo.ConflictReport`), of the
+micro-batch's own gradients; with ``gram: cross_fitted`` also each with the suffix ``_cross``:
+across the micro-batch's two halves, free of the bias of a gradient's own noise."""
+_CROSS_CONFLICTS = tuple(f"{key}_cross" for key in _CONFLICTS)
 
 
 def costs(
@@ -880,7 +883,8 @@ def costs(
     reference's median epoch time over the arm's, with its bootstrap interval over seeds,
     ``[mean, low, high]``), and for a harmonized arm its last epoch's conflict statistics: the
     conflict rate of the weighted-sum direction (``[mean, low, high]``) and the worst cosine of a
-    reward's gradient with the weighted-sum and with the arm's direction (the lowest over seeds)."""
+    reward's gradient with the weighted-sum and with the arm's direction (the lowest over seeds),
+    within the micro-batch and, for a cross-fitted arm, across its halves (``_cross``)."""
     medians = {arm: {s: statistics.median(r["seconds"] for r in h) for s, h in runs.items()}
                for arm, runs in histories.items()}  # fmt: skip
     rows: dict[str, dict[str, Any]] = {}
@@ -889,12 +893,11 @@ def costs(
         row = {"epoch_seconds": statistics.fmean(medians[arm].values()),
                "throughput": analysis.as_list(bootstrap_interval(ratios))}  # fmt: skip
         last = [runs[s][-1] for s in sorted(runs)]
-        for key in _CONFLICTS:
+        for key in (*_CONFLICTS, *_CROSS_CONFLICTS):
             if all(key in record for record in last):  # logged by the harmonized arms
                 values = [record[key] for record in last]
-                row[key] = (
-                    analysis.as_list(bootstrap_interval(values)) if key == "conflict_rate" else min(values)
-                )
+                rate = key.startswith("conflict_rate")
+                row[key] = analysis.as_list(bootstrap_interval(values)) if rate else min(values)
         rows[arm] = row
     return rows
 
@@ -903,15 +906,20 @@ def _costs_table(rows: Mapping[str, Mapping[str, Any]], reference: str) -> table
     header = ["arm", "median epoch (s)", f"throughput vs {reference}", "conflict rate of the weighted sum",
               "worst cosine, weighted sum", "worst cosine, the arm's direction"]  # fmt: skip
     body = []
+    crossed = any(_CROSS_CONFLICTS[0] in row for row in rows.values())
+    if crossed:
+        header += ["the same across the batch's halves", "worst cosine across halves, weighted sum",
+                   "worst cosine across halves, the arm's direction"]  # fmt: skip
     for arm, row in rows.items():
         mean, low, high = row["throughput"]
         cells = [f"{row['epoch_seconds']:.2f}", f"{mean:.3f} [{low:.3f}, {high:.3f}]"]
-        if "conflict_rate" in row:
-            rate, low, high = row["conflict_rate"]
-            cells.append(f"{rate:.2f} [{low:.2f}, {high:.2f}]")
-        else:
-            cells.append("")
-        cells += [f"{row[key]:+.3f}" if key in row else "" for key in _CONFLICTS[1:]]
+        for group in (_CONFLICTS, _CROSS_CONFLICTS) if crossed else (_CONFLICTS,):
+            if group[0] in row:
+                rate, low, high = row[group[0]]
+                cells.append(f"{rate:.2f} [{low:.2f}, {high:.2f}]")
+            else:
+                cells.append("")
+            cells += [f"{row[key]:+.3f}" if key in row else "" for key in group[1:]]
         body.append([arm, *cells])
     caption = (
         "Costs: each run's median epoch time, the throughput against "

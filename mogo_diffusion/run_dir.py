@@ -453,7 +453,8 @@ def _keep_metrics_before(directory: Path, epoch: int) -> None:
 
 KEPT_METRICS: tuple[str, ...] = (
     "epoch", "seconds", "images_per_second", "conflict_rate", "worst_cosine_weighted_sum",
-    "worst_cosine_marble", "eval/", "alpha/",
+    "worst_cosine_marble", "conflict_rate_cross", "worst_cosine_weighted_sum_cross",
+    "worst_cosine_marble_cross", "eval/", "alpha/",
 )  # fmt: skip
 """The metrics a compact run keeps of each epoch (a name ending in ``/``: every metric it starts):
 what comparisons read, held-out means for the curves, times for the throughput, weights and

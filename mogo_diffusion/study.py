@@ -37,6 +37,10 @@ T is the claim's threshold below (0, 1/2 for (c), 0.97 for (e)), with its number
 (b) MARBLE's composite is the best of all arms: above every other arm's, paired by seed;
 (c) the weighted-sum direction opposes some reward in most mini-batches while MARBLE's opposes
     none: the conflict rate's interval above 1/2, and no harmonized cosine below ``-1e-6``;
+    (c, across halves) the same rate measured free of a gradient's own noise, by :data:`CROSS`'s
+    runs: each half's weighted-sum direction against the other half's reward gradients (its
+    harmonized cosines are reported, not judged: across halves the min-norm point's guarantee
+    does not hold);
 (d) alpha shifts toward the rewards that are hard to improve: the rank correlation, over the
     rewards, between MARBLE's mean alpha and its specialist's improvement over the pretrained
     model (in units of that reward's spread across arms) is below 0;
@@ -73,6 +77,7 @@ from mogo_diffusion.shapes.recipe import FINAL_EVAL, REWARDS
 
 __all__ = [
     "ARMS",
+    "CROSS",
     "MARBLE",
     "QUICK_FINAL",
     "REFERENCE",
@@ -96,6 +101,9 @@ ARMS = ("weighted_sum", "sequential", "marble_n1", "marble_n10", "upgrad_n10", "
 
 MARBLE = "marble_n10"
 """The arm whose claims are judged, MARBLE amortized as the paper runs it."""
+CROSS = "marble_n10_cross"
+"""The arm whose runs measure claim (c) across the micro-batch's halves: :data:`MARBLE` on the
+cross-fitted Gram matrix, which logs the conflict statistics across halves."""
 
 REFERENCE = "weighted_sum"
 """The arm every difference is paired against, the weighted sum of the rewards."""
@@ -248,6 +256,12 @@ def claims(summary: Mapping[str, Any], histories: Mapping[str, Mapping[int, Sequ
             verdict = "not reproduced"
         numbers = {"conflict_rate": cost["conflict_rate"], "worst_cosine_marble": cost["worst_cosine_marble"]}
         result["c"] = {"verdict": verdict, "numbers": numbers}
+    if CROSS in histories:
+        crossed = compare.costs({arm: histories[arm] for arm in (REFERENCE, CROSS)}, REFERENCE)[CROSS]
+        if "conflict_rate_cross" in crossed:
+            keys = ("conflict_rate_cross", "worst_cosine_weighted_sum_cross", "worst_cosine_marble_cross")
+            verdict = _verdict([crossed["conflict_rate_cross"]], threshold=0.5)
+            result["c, across halves"] = {"verdict": verdict, "numbers": {k: crossed[k] for k in keys}}
     specialists = [f"single:{name}" for name in names]
     last = histories[MARBLE][seeds[0]][-1]
     if all(arm in rows for arm in specialists) and all(f"alpha/{n}" in last for n in names):

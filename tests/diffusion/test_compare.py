@@ -432,3 +432,38 @@ def test_final_and_base_evaluations_are_reused_for_their_own_prompts_only(quick,
     ):
         compare.evaluate_base(config, base, prompts="shapes:heldout:8")
     assert base.read_bytes() == cached
+
+
+def test_costs_keep_the_conflicts_across_halves_of_a_cross_fitted_arm_and_the_table_shows_them():
+    def runs(seconds, **last):
+        return {
+            s: [{"seconds": seconds}, {"seconds": seconds, **{k: v[s] for k, v in last.items()}}]
+            for s in (0, 1)
+        }
+
+    same = {
+        "conflict_rate": [0.1, 0.2],
+        "worst_cosine_weighted_sum": [-0.1, 0.0],
+        "worst_cosine_marble": [0.0, 0.0],
+    }
+    cross = {
+        "conflict_rate_cross": [0.7, 0.9],
+        "worst_cosine_weighted_sum_cross": [-0.3, -0.2],
+        "worst_cosine_marble_cross": [-0.1, 0.05],
+    }
+    histories = {
+        "weighted_sum": runs(1.0),
+        "marble": runs(1.0, **same),
+        "marble_cross": runs(2.0, **same, **cross),
+    }
+    rows = compare.costs(histories, "weighted_sum")
+    assert rows["marble_cross"]["conflict_rate_cross"][0] == pytest.approx(0.8)
+    assert rows["marble_cross"]["worst_cosine_weighted_sum_cross"] == -0.3  # the lowest over seeds
+    assert rows["marble_cross"]["throughput"][0] == pytest.approx(0.5)
+    assert not any(key.endswith("_cross") for key in rows["marble"])
+    _, table = compare._costs_table(rows, "weighted_sum")
+    header, marble_cross = table[0], table[-1]
+    assert len(header) == len(marble_cross) == 9
+    assert marble_cross[6:] == ["0.80 [0.70, 0.90]", "-0.300", "-0.100"]
+    _, without = compare._costs_table({arm: rows[arm] for arm in ("weighted_sum", "marble")}, "weighted_sum")
+    assert len(without[0]) == 6  # no cross-fitted arm: the table of the committed studies, unchanged

@@ -87,6 +87,26 @@ def test_what_marble_loses_is_not_reproduced_and_noise_is_undecided():
     assert verdict == "undecided (CI spans 0.97)"
 
 
+def test_claim_c_is_judged_across_halves_too_by_the_cross_fitted_arm_beside_the_same_batch_rate():
+    found = histories([0.56, 0.70], conflict=0.1)  # within one batch: seldom a conflict
+    found[study.CROSS] = {
+        s: history([0.55, 0.70], s, alpha=[0.6, 0.4], conflict=0.1 + 0.01 * s) for s in SEEDS
+    }
+    for s in SEEDS:  # across the halves the weighted sum opposes a reward in most batches
+        found[study.CROSS][s][-1].update(
+            conflict_rate_cross=0.7 + 0.01 * s, worst_cosine_weighted_sum_cross=-0.2 - 0.01 * s,
+            worst_cosine_marble_cross=-0.05 * s,
+        )  # fmt: skip
+    claims = study.analyse(NAMES, BASE, found)["claims"]
+    assert claims["c"]["verdict"] == "not reproduced"
+    crossed = claims["c, across halves"]
+    assert crossed["verdict"] == "reproduced"
+    assert crossed["numbers"]["conflict_rate_cross"][0] == pytest.approx(0.72)
+    assert crossed["numbers"]["worst_cosine_weighted_sum_cross"] == pytest.approx(-0.24)  # the lowest seed's
+    assert crossed["numbers"]["worst_cosine_marble_cross"] == pytest.approx(-0.2)
+    assert "c, across halves" not in study.analyse(NAMES, BASE, histories([0.56, 0.70]))["claims"]
+
+
 def test_the_plan_shares_specialists_between_the_sets_and_runs_ablations_on_the_first(tmp_path):
     runs = study.plan(tmp_path, arms=("weighted_sum", "marble_n10"), seeds=range(2))
     groups = {(group, arm) for group, arm, _ in runs}
