@@ -102,8 +102,8 @@ ARMS = ("weighted_sum", "sequential", "marble_n1", "marble_n10", "upgrad_n10", "
 MARBLE = "marble_n10"
 """The arm whose claims are judged, MARBLE amortized as the paper runs it."""
 CROSS = "marble_n10_cross"
-"""The arm whose runs measure claim (c) across the micro-batch's halves: :data:`MARBLE` on the
-cross-fitted Gram matrix, which logs the conflict statistics across halves."""
+""":data:`MARBLE` on the cross-fitted Gram matrix, whose runs log the conflict statistics across
+the micro-batch's halves that claim (c) is judged on a second time."""
 
 REFERENCE = "weighted_sum"
 """The arm every difference is paired against, the weighted sum of the rewards."""
