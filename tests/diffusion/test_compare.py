@@ -12,7 +12,7 @@ import yaml
 
 import mogo
 from mogo_diffusion import compare, figures, models, run_dir
-from mogo_diffusion.config import Config
+from mogo_diffusion.config import Config, load_config
 from mogo_diffusion.evaluate import read_metrics
 from mogo_diffusion.shapes.recipe import DEFAULT_REWARDS, REWARDS, shapes_config
 from mogo_diffusion.train import main
@@ -317,7 +317,7 @@ def test_bad_arguments_are_named_before_anything_runs(user_config, tmp_path, cap
 def test_the_front_and_the_specialists_are_arms_of_their_own(user_config, tmp_path):
     """``--front`` adds the K + 1 weighted sums that are not an arm already, ``--specialists`` one
     specialist per reward; the front is judged from the raw weighted sums."""
-    base = load(user_config)
+    base = load_config(user_config)
     arms = compare.choose_arms(base, "weighted_sum,marble", specialists="all", front=True)
     # weighted_sum@1,1 is weighted_sum: the user's weights are 1 and 1
     assert arms == ["single:jpeg_compressibility", "single:sharpness", "weighted_sum", "marble",
@@ -358,7 +358,7 @@ def test_a_run_of_other_epochs_is_refused_not_deleted(quick, tmp_path, user_conf
     after `--epochs 120`) was deleted, checkpoints and all, and trained again. It is refused."""
     _, out = copy_out(quick, tmp_path)
     run = compare.run_directory(out, "weighted_sum", 0)
-    config = compare.arm_config("weighted_sum", 0, run, base=load(user_config), quick=True).to_dict()
+    config = compare.arm_config("weighted_sum", 0, run, base=load_config(user_config), quick=True).to_dict()
     config["train"]["epochs"] = 3
     before = files(run)
     with pytest.raises(RuntimeError, match=r"train\.epochs: 2 there, 3 requested"):
@@ -368,12 +368,6 @@ def test_a_run_of_other_epochs_is_refused_not_deleted(quick, tmp_path, user_conf
     assert files(run) == before
 
 
-def load(path: Path) -> Config:
-    from mogo_diffusion.config import load_config
-
-    return load_config(path)
-
-
 @pytest.mark.spawns
 def test_damaged_json_does_not_stop_a_comparison(quick, tmp_path, user_config):
     """Issue 39 item 6: a metrics line cut off by a kill, or a damaged base/eval.json, stopped the
@@ -381,7 +375,7 @@ def test_damaged_json_does_not_stop_a_comparison(quick, tmp_path, user_config):
     no checkpoint yet) and the damaged cache is made again, with a warning."""
     _, out = copy_out(quick, tmp_path)
     run = compare.run_directory(out, "weighted_sum", 0)
-    config = compare.arm_config("weighted_sum", 0, run, base=load(user_config), quick=True)
+    config = compare.arm_config("weighted_sum", 0, run, base=load_config(user_config), quick=True)
     # what a kill while the last epoch's line is written leaves: no final checkpoint, no marker, no figures
     for name in ("finished.json", "samples.png", "curves.png"):
         (run / name).unlink(missing_ok=True)
@@ -408,7 +402,7 @@ def test_final_and_base_evaluations_are_reused_for_their_own_prompts_only(quick,
     refused, the file kept; a damaged one is made again."""
     _, out = copy_out(quick, tmp_path)
     run = compare.run_directory(out, "weighted_sum", 0)
-    config = compare.arm_config("weighted_sum", 0, run, base=load(user_config), quick=True)
+    config = compare.arm_config("weighted_sum", 0, run, base=load_config(user_config), quick=True)
     configs, base = {("weighted_sum", 0): config}, out / "runs" / "base" / "eval.json"
     four, five = "shapes:heldout:4", "shapes:heldout:5"
     compare.run_all(configs, base, jobs=1, final=four)
@@ -467,3 +461,17 @@ def test_costs_keep_the_conflicts_across_halves_of_a_cross_fitted_arm_and_the_ta
     assert marble_cross[6:] == ["0.80 [0.70, 0.90]", "-0.300", "-0.100"]
     _, without = compare._costs_table({arm: rows[arm] for arm in ("weighted_sum", "marble")}, "weighted_sum")
     assert len(without[0]) == 6  # no cross-fitted arm: the table of the committed studies, unchanged
+
+
+def test_runs_start_seed_by_seed_so_that_a_stopped_comparison_has_whole_seeds(
+    user_config, tmp_path, monkeypatch
+):
+    configs = compare.plan(
+        ["weighted_sum", "marble"], [0, 1], tmp_path, base=load_config(user_config), quick=True
+    )
+    started = []  # what run_all starts, in order (jobs=1), instead of training it
+    monkeypatch.setattr(
+        compare, "_train", lambda config, action: started.append((config.strategy.name, config.train.seed))
+    )
+    compare.run_all(configs, tmp_path / "runs" / "base" / "eval.json", jobs=1)
+    assert started == [("weighted_sum", 0), ("marble", 0), ("weighted_sum", 1), ("marble", 1)]
