@@ -73,7 +73,9 @@ def _default_name(union: Any) -> str:
     return first.name
 
 
-def build(cls: type, data: Any, path: str, removed: Mapping[str, str] = {}, owner: str = "") -> Any:
+def build(
+    cls: type, data: Any, path: str, removed: Mapping[str, str] = types.MappingProxyType({}), owner: str = ""
+) -> Any:
     """``cls(**data)`` with every value converted to its annotated type; keys missing from
     ``data`` keep their defaults. ``removed`` maps dotted fields that no longer exist to why:
     setting one is an error that says it, and ``None`` there is ignored (a saved old value).
