@@ -9,6 +9,7 @@ import re
 import subprocess
 import sys
 from pathlib import Path
+from typing import Literal
 
 import pytest
 import torch
@@ -31,6 +32,7 @@ from mogo_diffusion.config import (
     add_config_arguments,
     config_from_args,
     load_config,
+    typed,
 )
 from mogo_diffusion.strategies import make_strategy
 
@@ -536,3 +538,32 @@ def test_accepted_weights_give_finite_weighted_sum_advantages(weights, scale):
     scores = scale * torch.linspace(-1, 1, 4 * len(weights)).reshape(4, len(weights))
     advantages = make_strategy(config).advantages(scores, ["a", "a", "b", "b"], 0)
     assert torch.isfinite(advantages).all()
+
+
+@dataclasses.dataclass
+class Adam:  # a schema of the engine's own tests: a closed tagged union of optimizers
+    name: Literal["adam"] = "adam"
+    beta: float = 0.9
+
+
+@dataclasses.dataclass
+class Sgd:
+    name: Literal["sgd", "sgd_nesterov"] = "sgd"
+    momentum: float = 0.0
+
+
+@dataclasses.dataclass
+class Run:
+    optimizer: Adam | Sgd = dataclasses.field(default_factory=Adam)
+
+
+def test_the_engine_reads_any_schema_s_tagged_unions_from_their_name_annotations():
+    assert typed.build(Run, {}, "") == Run(Adam())
+    assert typed.build(Run, {"optimizer": {"beta": 1}}, "") == Run(Adam(beta=1.0))  # no name: the first
+    assert typed.build(Run, {"optimizer": {"name": "sgd_nesterov"}}, "").optimizer == Sgd("sgd_nesterov")
+    with pytest.raises(ConfigError) as info:  # a closed union: no open member takes other names
+        typed.build(Run, {"optimizer": {"name": "lion"}}, "")
+    assert str(info.value) == "optimizer.name: must be one of 'adam', 'sgd', 'sgd_nesterov', got 'lion'"
+    with pytest.raises(ConfigError) as info:  # an unknown key names the member by its tag
+        typed.build(Run, {"optimizer": {"name": "sgd", "beta": 0.5}}, "")
+    assert str(info.value) == "optimizer.beta: unknown key; optimizer 'sgd' has name, momentum"
