@@ -123,6 +123,7 @@ __all__ = [
     "final_means",
     "front_arms",
     "front_of",
+    "front_points",
     "frozen_sections",
     "gather",
     "judged_on",
@@ -1026,14 +1027,27 @@ def choose_arms(
     names = [spec.name for spec in base.rewards]
     chosen = arms(names) if arms_text == "all" else [a for a in arms_text.split(",") if a]
     chosen = list(dict.fromkeys([*(f"single:{n}" for n in _specialists(specialists, names)), *chosen]))
+    return chosen + (front_points(chosen, base, definitions=definitions) if front else [])
+
+
+def front_points(
+    chosen: Sequence[str],
+    base: Config,
+    *,
+    rewards: Sequence[str] | None = None,
+    definitions: Mapping[str, Mapping[str, Any]] | None = None,
+) -> list[str]:
+    """The weighted-sum front (:func:`front_arms`) of ``base`` on ``rewards`` (default all its
+    rewards), but for a point whose config is already one of the arms ``chosen``' (that arm is
+    the point)."""
+    count = len(rewards) if rewards is not None else len(base.rewards)
 
     def fingerprint(arm: str) -> str:
-        return run_dir.fingerprint(arm_config(arm, 0, Path("."), base=base, definitions=definitions))
+        config = arm_config(arm, 0, Path("."), base=base, rewards=rewards, definitions=definitions)
+        return run_dir.fingerprint(config)
 
     taken = {fingerprint(arm) for arm in chosen}
-    return chosen + [
-        arm for arm in (front_arms(len(names)) if front else []) if fingerprint(arm) not in taken
-    ]
+    return [arm for arm in front_arms(count) if fingerprint(arm) not in taken]
 
 
 def front_of(chosen: Sequence[str], configs: Mapping[tuple[str, int], Config]) -> list[str]:

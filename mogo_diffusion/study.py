@@ -69,7 +69,7 @@ from typing import Any
 import numpy as np
 from scipy.stats import spearmanr
 
-from mogo_diffusion import analysis, compare, run_dir, tables
+from mogo_diffusion import analysis, compare, tables
 from mogo_diffusion.bootstrap import bootstrap_interval, paired_interval
 from mogo_diffusion.config import Config
 from mogo_diffusion.run_dir import RunDirError
@@ -149,14 +149,7 @@ def plan(
     for index, name in enumerate(sets):
         chosen = [*arms, *(ablations if index == 0 else ())]
         if front:
-
-            def fingerprint(arm: str, rewards: Sequence[str] = REWARD_SETS[name]) -> str:
-                config = compare.arm_config(arm, 0, out, base=options["base"], rewards=rewards, quick=quick)
-                return run_dir.fingerprint(config)
-
-            taken = {fingerprint(arm) for arm in chosen}
-            points = compare.front_arms(len(REWARD_SETS[name]))
-            chosen += [arm for arm in points if fingerprint(arm) not in taken]
+            chosen += compare.front_points(chosen, options["base"], rewards=REWARD_SETS[name])
         groups[name] = (chosen, REWARD_SETS[name])
     return {
         (group, arm, seed): config
