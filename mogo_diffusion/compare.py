@@ -869,10 +869,7 @@ def _pack(out: Path, configs: Mapping[tuple, Config], packed: Mapping[str, Mappi
 # ---- judging and writing ---------------------------------------------------------------------------
 
 
-_CONFLICTS = ("conflict_rate", "worst_cosine_weighted_sum", "worst_cosine_marble")
-"""The conflict statistics a harmonized run logs each epoch (:class:`mogo.ConflictReport`), of the
-micro-batch's own gradients; with ``gram: cross_fitted`` also each with the suffix ``_cross``:
-across the micro-batch's two halves, free of the bias of a gradient's own noise."""
+_CONFLICTS = run_dir.CONFLICT_METRICS
 _CROSS_CONFLICTS = tuple(f"{key}_cross" for key in _CONFLICTS)
 
 

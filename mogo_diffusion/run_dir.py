@@ -63,6 +63,7 @@ except ImportError:  # Windows
     fcntl = None
 
 __all__ = [
+    "CONFLICT_METRICS",
     "FINISHED",
     "KEPT_METRICS",
     "LOCK",
@@ -451,10 +452,14 @@ def _keep_metrics_before(directory: Path, epoch: int) -> None:
 
 # ---- the compact form ------------------------------------------------------------------------------
 
+CONFLICT_METRICS: tuple[str, ...] = ("conflict_rate", "worst_cosine_weighted_sum", "worst_cosine_marble")
+"""The conflict statistics a harmonized run logs each epoch (:class:`mogo.ConflictReport`), of the
+micro-batch's own gradients; with ``gram: cross_fitted`` also each with the suffix ``_cross``:
+across the micro-batch's two halves, free of the bias of a gradient's own noise."""
+
 KEPT_METRICS: tuple[str, ...] = (
-    "epoch", "seconds", "images_per_second", "conflict_rate", "worst_cosine_weighted_sum",
-    "worst_cosine_marble", "conflict_rate_cross", "worst_cosine_weighted_sum_cross",
-    "worst_cosine_marble_cross", "eval/", "alpha/",
+    "epoch", "seconds", "images_per_second", *CONFLICT_METRICS,
+    *(f"{name}_cross" for name in CONFLICT_METRICS), "eval/", "alpha/",
 )  # fmt: skip
 """The metrics a compact run keeps of each epoch (a name ending in ``/``: every metric it starts):
 what comparisons read, held-out means for the curves, times for the throughput, weights and
